@@ -1,0 +1,21 @@
+// Package v1alpha1 contains the idemcp.io/v1alpha1 API: the IdempotencyPolicy
+// that users apply with kubectl and that every sidecar enforces.
+// +kubebuilder:object:generate=true
+// +groupName=idemcp.io
+package v1alpha1
+
+import (
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"sigs.k8s.io/controller-runtime/pkg/scheme"
+)
+
+var (
+	// GroupVersion is the group and version of every kind in this package.
+	GroupVersion = schema.GroupVersion{Group: "idemcp.io", Version: "v1alpha1"}
+
+	// SchemeBuilder registers the kinds of this package with a scheme.
+	SchemeBuilder = &scheme.Builder{GroupVersion: GroupVersion}
+
+	// AddToScheme adds the kinds of this package to a scheme.
+	AddToScheme = SchemeBuilder.AddToScheme
+)

@@ -1,0 +1,323 @@
+package v1alpha1
+
+import (
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+)
+
+// StoreType names where claims and results are kept.
+// +kubebuilder:validation:Enum=Memory;Redis
+type StoreType string
+
+const (
+	// StoreMemory keeps records inside each sidecar: nothing to run, but
+	// replicas do not share results.
+	StoreMemory StoreType = "Memory"
+	// StoreRedis keeps records in Redis, shared by every sidecar of the policy.
+	StoreRedis StoreType = "Redis"
+)
+
+// StoreUnavailableAction says what a sidecar does when its store cannot be reached.
+// +kubebuilder:validation:Enum=FailClosed;FailOpen
+type StoreUnavailableAction string
+
+const (
+	// FailClosed answers a JSON-RPC error and runs nothing.
+	FailClosed StoreUnavailableAction = "FailClosed"
+	// FailOpen forwards the call without deduplication.
+	FailOpen StoreUnavailableAction = "FailOpen"
+)
+
+// KeyScope says whose calls share a derived key.
+// +kubebuilder:validation:Enum=Session;Principal;Global
+type KeyScope string
+
+const (
+	// ScopeSession shares keys within one principal's MCP session.
+	ScopeSession KeyScope = "Session"
+	// ScopePrincipal shares keys across all sessions of one principal.
+	ScopePrincipal KeyScope = "Principal"
+	// ScopeGlobal shares keys across every caller.
+	ScopeGlobal KeyScope = "Global"
+)
+
+// InFlightAction says what a duplicate does while the first call still runs.
+// +kubebuilder:validation:Enum=Wait;Reject
+type InFlightAction string
+
+const (
+	// InFlightWait waits for the first call's result, up to waitTimeout.
+	InFlightWait InFlightAction = "Wait"
+	// InFlightReject answers a conflict error at once.
+	InFlightReject InFlightAction = "Reject"
+)
+
+// AbandonedAction says what happens to a claim whose owner died mid-call.
+// +kubebuilder:validation:Enum=Retry;Error
+type AbandonedAction string
+
+const (
+	// AbandonedRetry lets the next call take the claim over and run the tool.
+	AbandonedRetry AbandonedAction = "Retry"
+	// AbandonedError answers "outcome unknown" rather than risk a second run.
+	AbandonedError AbandonedAction = "Error"
+)
+
+// ToolMode says whether calls to a tool are deduplicated.
+// +kubebuilder:validation:Enum=Auto;Deduplicate;Passthrough
+type ToolMode string
+
+const (
+	// ModeAuto passes tools annotated readOnlyHint: true through and
+	// deduplicates every other tool.
+	ModeAuto ToolMode = "Auto"
+	// ModeDeduplicate deduplicates every call.
+	ModeDeduplicate ToolMode = "Deduplicate"
+	// ModePassthrough forwards every call untouched.
+	ModePassthrough ToolMode = "Passthrough"
+)
+
+// IdempotencyPolicySpec is what a sidecar enforces.
+// +kubebuilder:validation:XValidation:rule="self.store.type != 'Redis' || (has(self.store.redis) && (has(self.store.redis.managed) != has(self.store.redis.external)))",message="spec.store: type Redis needs exactly one of store.redis.managed or store.redis.external"
+// +kubebuilder:validation:XValidation:rule="self.store.type != 'Memory' || !has(self.store.redis)",message="spec.store: type Memory takes no store.redis; set type: Redis or remove store.redis"
+type IdempotencyPolicySpec struct {
+	// TTL is how long a completed result is replayed.
+	// +kubebuilder:default="24h"
+	// +kubebuilder:validation:XValidation:rule="duration(self) >= duration('1s') && duration(self) <= duration('720h')",message="spec.ttl must be between 1s and 720h (30d)"
+	// +optional
+	TTL *metav1.Duration `json:"ttl,omitempty"`
+
+	// Store is where claims and results are kept.
+	// +kubebuilder:default={type: Memory}
+	// +optional
+	Store StoreSpec `json:"store,omitempty"`
+
+	// OnStoreUnavailable says what happens when the store cannot be reached.
+	// +kubebuilder:default=FailClosed
+	// +optional
+	OnStoreUnavailable StoreUnavailableAction `json:"onStoreUnavailable,omitempty"`
+
+	// KeyScope is whose calls share a key derived from the arguments.
+	// +kubebuilder:default=Session
+	// +optional
+	KeyScope KeyScope `json:"keyScope,omitempty"`
+
+	// PrincipalHeader is the request header whose hash identifies the caller.
+	// +kubebuilder:default=Authorization
+	// +kubebuilder:validation:Pattern=`^[A-Za-z0-9!#$%&'*+.^_|~-]+$`
+	// +kubebuilder:validation:MaxLength=128
+	// +optional
+	PrincipalHeader string `json:"principalHeader,omitempty"`
+
+	// InFlight says what a duplicate does while the first call still runs.
+	// +kubebuilder:default=Wait
+	// +optional
+	InFlight InFlightAction `json:"inFlight,omitempty"`
+
+	// WaitTimeout is how long a duplicate waits before it gets a conflict error.
+	// +kubebuilder:default="30s"
+	// +optional
+	WaitTimeout *metav1.Duration `json:"waitTimeout,omitempty"`
+
+	// LeaseDuration is how long a claim lives without renewal; it is renewed
+	// while the upstream call runs.
+	// +kubebuilder:default="30s"
+	// +optional
+	LeaseDuration *metav1.Duration `json:"leaseDuration,omitempty"`
+
+	// OnAbandoned says what happens to a claim whose owner died mid-call.
+	// +kubebuilder:default=Retry
+	// +optional
+	OnAbandoned AbandonedAction `json:"onAbandoned,omitempty"`
+
+	// MaxResultBytes is the largest response that is stored for replay.
+	// +kubebuilder:default="1Mi"
+	// +optional
+	MaxResultBytes *resource.Quantity `json:"maxResultBytes,omitempty"`
+
+	// DefaultMode applies to tools that no rule names.
+	// +kubebuilder:default=Auto
+	// +optional
+	DefaultMode ToolMode `json:"defaultMode,omitempty"`
+
+	// Tools are per-tool rules; the first rule whose name matches wins.
+	// +kubebuilder:validation:MaxItems=256
+	// +kubebuilder:validation:XValidation:rule="self.all(t, self.exists_one(u, u.name == t.name))",message="spec.tools: each rule name must be unique"
+	// +optional
+	Tools []ToolRule `json:"tools,omitempty"`
+}
+
+// StoreSpec says where claims and results are kept.
+type StoreSpec struct {
+	// Type is Memory (per sidecar) or Redis (shared).
+	// +kubebuilder:default=Memory
+	// +optional
+	Type StoreType `json:"type,omitempty"`
+
+	// Redis configures the Redis store; only with type Redis.
+	// +optional
+	Redis *RedisStoreSpec `json:"redis,omitempty"`
+}
+
+// RedisStoreSpec is either a Redis the controller runs or one the user runs.
+type RedisStoreSpec struct {
+	// Managed asks the controller to provision Redis for this policy.
+	// +optional
+	Managed *ManagedRedis `json:"managed,omitempty"`
+
+	// External points at a Redis the user runs.
+	// +optional
+	External *ExternalRedis `json:"external,omitempty"`
+}
+
+// ManagedRedis is a Redis the controller provisions and owns.
+type ManagedRedis struct {
+	// Image is the Redis container image.
+	// +optional
+	Image string `json:"image,omitempty"`
+
+	// Resources are the Redis container's requests and limits.
+	// +optional
+	Resources *corev1.ResourceRequirements `json:"resources,omitempty"`
+
+	// Storage, when set, gives Redis a persistent volume of this size.
+	// +optional
+	Storage *resource.Quantity `json:"storage,omitempty"`
+}
+
+// ExternalRedis is a Redis the user runs: standalone, Sentinel or Cluster.
+type ExternalRedis struct {
+	// Addresses are host:port pairs: one for standalone, several for Cluster
+	// or for the Sentinels.
+	// +kubebuilder:validation:MinItems=1
+	// +kubebuilder:validation:items:MinLength=1
+	Addresses []string `json:"addresses"`
+
+	// PasswordSecretRef names the Secret key that holds the Redis password.
+	// +optional
+	PasswordSecretRef *SecretKeyRef `json:"passwordSecretRef,omitempty"`
+
+	// TLS connects with TLS.
+	// +optional
+	TLS bool `json:"tls,omitempty"`
+
+	// SentinelMaster is the master name when Addresses are Sentinels.
+	// +optional
+	SentinelMaster string `json:"sentinelMaster,omitempty"`
+}
+
+// SecretKeyRef names one key of a Secret in the policy's namespace.
+type SecretKeyRef struct {
+	// Name of the Secret.
+	// +kubebuilder:validation:MinLength=1
+	Name string `json:"name"`
+	// Key in the Secret.
+	// +kubebuilder:validation:MinLength=1
+	Key string `json:"key"`
+}
+
+// ToolRule overrides the policy for tools whose name matches.
+type ToolRule struct {
+	// Name is a tool name or a glob (`*` any run of characters, `?` one).
+	// +kubebuilder:validation:MinLength=1
+	// +kubebuilder:validation:MaxLength=256
+	Name string `json:"name"`
+
+	// Mode for matching tools; Auto uses the tool's readOnlyHint.
+	// +kubebuilder:default=Deduplicate
+	// +optional
+	Mode ToolMode `json:"mode,omitempty"`
+
+	// TTL overrides spec.ttl for matching tools.
+	// +optional
+	TTL *metav1.Duration `json:"ttl,omitempty"`
+
+	// KeyScope overrides spec.keyScope for matching tools.
+	// +optional
+	KeyScope KeyScope `json:"keyScope,omitempty"`
+
+	// OnAbandoned overrides spec.onAbandoned for matching tools.
+	// +optional
+	OnAbandoned AbandonedAction `json:"onAbandoned,omitempty"`
+
+	// CacheToolErrors replays results with isError: true like successes.
+	// +optional
+	CacheToolErrors bool `json:"cacheToolErrors,omitempty"`
+
+	// IgnoreArguments are JSON pointers (RFC 6901) into the arguments that
+	// are left out of the fingerprint, such as a timestamp.
+	// +kubebuilder:validation:items:Pattern=`^(/([^~/]|~[01])*)+$`
+	// +optional
+	IgnoreArguments []string `json:"ignoreArguments,omitempty"`
+}
+
+// IdempotencyPolicyStatus is what the controller observed.
+type IdempotencyPolicyStatus struct {
+	// ObservedGeneration is the generation the status describes.
+	// +optional
+	ObservedGeneration int64 `json:"observedGeneration,omitempty"`
+
+	// Conditions: StoreReady, SidecarsSynced and Ready.
+	// +listType=map
+	// +listMapKey=type
+	// +optional
+	Conditions []metav1.Condition `json:"conditions,omitempty"`
+
+	// Store is what the controller knows of the store.
+	// +optional
+	Store *StoreStatus `json:"store,omitempty"`
+
+	// Sidecars counts the sidecars that use this policy.
+	// +optional
+	Sidecars *SidecarsStatus `json:"sidecars,omitempty"`
+
+	// PolicyHash is a stable hash of the compiled policy.
+	// +optional
+	PolicyHash string `json:"policyHash,omitempty"`
+}
+
+// StoreStatus describes the store in use.
+type StoreStatus struct {
+	// Endpoint is the address sidecars connect to.
+	// +optional
+	Endpoint string `json:"endpoint,omitempty"`
+}
+
+// SidecarsStatus counts sidecars in three stages.
+type SidecarsStatus struct {
+	// Injected is how many pods carry a sidecar for this policy.
+	Injected int32 `json:"injected"`
+	// Connected is how many of them hold a policy stream.
+	Connected int32 `json:"connected"`
+	// Synced is how many acknowledged the current policyHash.
+	Synced int32 `json:"synced"`
+}
+
+// IdempotencyPolicy makes an MCP server's tool calls exactly-once.
+// +kubebuilder:object:root=true
+// +kubebuilder:subresource:status
+// +kubebuilder:resource:shortName=idpol
+// +kubebuilder:printcolumn:name="Store",type=string,JSONPath=`.spec.store.type`
+// +kubebuilder:printcolumn:name="TTL",type=string,JSONPath=`.spec.ttl`
+// +kubebuilder:printcolumn:name="Ready",type=string,JSONPath=`.status.conditions[?(@.type=="Ready")].status`
+// +kubebuilder:printcolumn:name="Age",type=date,JSONPath=`.metadata.creationTimestamp`
+type IdempotencyPolicy struct {
+	metav1.TypeMeta   `json:",inline"`
+	metav1.ObjectMeta `json:"metadata,omitempty"`
+
+	Spec   IdempotencyPolicySpec   `json:"spec,omitempty"`
+	Status IdempotencyPolicyStatus `json:"status,omitempty"`
+}
+
+// IdempotencyPolicyList is a list of IdempotencyPolicy.
+// +kubebuilder:object:root=true
+type IdempotencyPolicyList struct {
+	metav1.TypeMeta `json:",inline"`
+	metav1.ListMeta `json:"metadata,omitempty"`
+	Items           []IdempotencyPolicy `json:"items"`
+}
+
+func init() {
+	SchemeBuilder.Register(&IdempotencyPolicy{}, &IdempotencyPolicyList{})
+}

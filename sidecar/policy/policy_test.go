@@ -1,0 +1,165 @@
+package policy
+
+import (
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/idemcp/idemcp/api/v1alpha1"
+)
+
+func TestDefaults(t *testing.T) {
+	p := Default()
+	if p.TTL != 24*time.Hour || p.WaitTimeout != 30*time.Second || p.LeaseDuration != 30*time.Second {
+		t.Errorf("durations = %v/%v/%v, want 24h/30s/30s", p.TTL, p.WaitTimeout, p.LeaseDuration)
+	}
+	if p.MaxResultBytes != 1<<20 {
+		t.Errorf("MaxResultBytes = %d, want 1Mi", p.MaxResultBytes)
+	}
+	if p.Spec.Store.Type != v1alpha1.StoreMemory || p.OnStoreUnavailable != v1alpha1.FailClosed || p.InFlight != v1alpha1.InFlightWait {
+		t.Errorf("store/unavailable/inFlight = %s/%s/%s", p.Spec.Store.Type, p.OnStoreUnavailable, p.InFlight)
+	}
+	r := p.RuleFor("anything")
+	if r.Mode != v1alpha1.ModeAuto || r.KeyScope != v1alpha1.ScopeSession || r.OnAbandoned != v1alpha1.AbandonedRetry {
+		t.Errorf("default rule = %+v", r)
+	}
+	if p.PrincipalHeader != "Authorization" {
+		t.Errorf("PrincipalHeader = %q", p.PrincipalHeader)
+	}
+}
+
+const sample = `apiVersion: idemcp.io/v1alpha1
+kind: IdempotencyPolicy
+metadata: {name: payments, namespace: shop}
+spec:
+  ttl: 24h
+  keyScope: Session
+  principalHeader: x-forwarded-user
+  defaultMode: Auto
+  tools:
+  - name: "charge_*"
+    mode: Deduplicate
+    ttl: 72h
+    keyScope: Principal
+    onAbandoned: Error
+    cacheToolErrors: true
+    ignoreArguments: ["/requestedAt"]
+  - name: "get_*"
+    mode: Passthrough
+  - name: "charge_card_v?"
+    mode: Passthrough
+`
+
+func TestParseRules(t *testing.T) {
+	p, err := Parse([]byte(sample))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if p.PrincipalHeader != "X-Forwarded-User" {
+		t.Errorf("PrincipalHeader = %q, want it canonicalized", p.PrincipalHeader)
+	}
+	tests := []struct {
+		tool    string
+		mode    v1alpha1.ToolMode
+		pattern string
+		ttl     time.Duration
+		scope   v1alpha1.KeyScope
+	}{
+		{"charge_card", v1alpha1.ModeDeduplicate, "charge_*", 72 * time.Hour, v1alpha1.ScopePrincipal},
+		{"charge_card_v2", v1alpha1.ModeDeduplicate, "charge_*", 72 * time.Hour, v1alpha1.ScopePrincipal}, // first match wins
+		{"get_balance", v1alpha1.ModePassthrough, "get_*", 24 * time.Hour, v1alpha1.ScopeSession},
+		{"send_email", v1alpha1.ModeAuto, "", 24 * time.Hour, v1alpha1.ScopeSession},
+		{"xcharge_card", v1alpha1.ModeAuto, "", 24 * time.Hour, v1alpha1.ScopeSession}, // globs are anchored
+		{"charge.card", v1alpha1.ModeAuto, "", 24 * time.Hour, v1alpha1.ScopeSession},  // regexp metacharacters are literal
+	}
+	for _, tt := range tests {
+		for range 2 { // the second lookup is served from the cache
+			r := p.RuleFor(tt.tool)
+			if r.Mode != tt.mode || r.Pattern != tt.pattern || r.TTL != tt.ttl || r.KeyScope != tt.scope {
+				t.Errorf("RuleFor(%q) = mode %s pattern %q ttl %v scope %s, want %s %q %v %s",
+					tt.tool, r.Mode, r.Pattern, r.TTL, r.KeyScope, tt.mode, tt.pattern, tt.ttl, tt.scope)
+			}
+		}
+	}
+	r := p.RuleFor("charge_card")
+	if !r.CacheToolErrors || r.OnAbandoned != v1alpha1.AbandonedError || len(r.IgnoreArguments) != 1 {
+		t.Errorf("charge rule = %+v", r)
+	}
+}
+
+func TestHashStable(t *testing.T) {
+	a, _ := Parse([]byte(sample))
+	b, _ := Parse([]byte(sample))
+	if a.Hash != b.Hash || a.Hash == "" {
+		t.Errorf("hashes %q and %q differ", a.Hash, b.Hash)
+	}
+	if Default().Hash == a.Hash {
+		t.Error("different specs hash the same")
+	}
+	explicit, err := Parse([]byte("spec: {ttl: 24h, keyScope: Session, defaultMode: Auto}"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if explicit.Hash != Default().Hash {
+		t.Error("spelling out the defaults changed the hash")
+	}
+}
+
+func TestInvalid(t *testing.T) {
+	tests := []struct {
+		name, yaml, want string
+	}{
+		{"not yaml", "spec: [", "does not parse"},
+		{"unknown field", "spec: {tll: 1h}", `unknown field "tll"`},
+		{"ttl too long", "spec: {ttl: 800h}", "spec.ttl: 800h0m0s is outside 1s..720h"},
+		{"ttl too short", "spec: {ttl: 10ms}", "spec.ttl"},
+		{"bad duration", "spec: {ttl: soon}", "soon"},
+		{"store type", "spec: {store: {type: Postgres}}", `spec.store.type: "Postgres" is not one of Memory, Redis`},
+		{"memory with redis", "spec: {store: {type: Memory, redis: {managed: {}}}}", "spec.store.redis: type Memory takes no store.redis"},
+		{"redis without config", "spec: {store: {type: Redis}}", "spec.store.redis: type Redis needs exactly one"},
+		{"redis both", "spec: {store: {type: Redis, redis: {managed: {}, external: {addresses: [a:1]}}}}", "exactly one"},
+		{"scope", "spec: {keyScope: User}", `spec.keyScope: "User" is not one of Session, Principal, Global`},
+		{"inFlight", "spec: {inFlight: Queue}", "spec.inFlight"},
+		{"onAbandoned", "spec: {onAbandoned: Ignore}", "spec.onAbandoned"},
+		{"lease", "spec: {leaseDuration: 100ms}", "spec.leaseDuration"},
+		{"max result", "spec: {maxResultBytes: 0}", "spec.maxResultBytes"},
+		{"default mode", "spec: {defaultMode: Cache}", "spec.defaultMode"},
+		{"principal header", `spec: {principalHeader: "X User"}`, "spec.principalHeader"},
+		{"tool mode", "spec: {tools: [{name: a, mode: Always}]}", `spec.tools[0].mode: "Always" is not one of`},
+		{"tool name empty", "spec: {tools: [{name: ''}]}", "spec.tools[0].name: is empty"},
+		{"tool dup", "spec: {tools: [{name: a}, {name: a}]}", `spec.tools[1].name: "a" is already the name of tools[0]`},
+		{"pointer", "spec: {tools: [{name: a, ignoreArguments: [requestedAt]}]}", "spec.tools[0].ignoreArguments[0]"},
+		{"tool ttl", "spec: {tools: [{name: a, ttl: 0s}]}", "spec.tools[0].ttl"},
+		{"kind", "kind: Pod\nspec: {}", `kind: "Pod" is not IdempotencyPolicy`},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			_, err := Parse([]byte(tt.yaml))
+			if err == nil {
+				t.Fatalf("Parse succeeded, want an error containing %q", tt.want)
+			}
+			if !strings.Contains(err.Error(), tt.want) {
+				t.Errorf("error %q does not contain %q", err, tt.want)
+			}
+		})
+	}
+}
+
+func TestLoadFile(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "policy.yaml")
+	if err := os.WriteFile(path, []byte(sample), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	p, err := LoadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if p.RuleFor("charge_card").Mode != v1alpha1.ModeDeduplicate {
+		t.Error("rules not loaded from file")
+	}
+	if _, err := LoadFile(filepath.Join(t.TempDir(), "missing.yaml")); err == nil {
+		t.Error("missing file loaded")
+	}
+}

@@ -1,0 +1,100 @@
+// Package store holds the records that make a tool call exactly-once: a
+// claim (pending, with a lease and an owner token) that becomes a stored
+// response, or is released so that a retry runs again.
+package store
+
+import (
+	"context"
+	"errors"
+	"time"
+)
+
+// State is what Reserve found at a key.
+type State int
+
+const (
+	// Won: the caller now owns the key and must run the call, then Complete
+	// or Release.
+	Won State = iota + 1
+	// Completed: a response is stored; replay it.
+	Completed
+	// Pending: another owner holds a live lease; wait or reject.
+	Pending
+	// Abandoned: the owner's lease ran out before it completed, and the
+	// caller did not ask to take the claim over.
+	Abandoned
+)
+
+func (s State) String() string {
+	switch s {
+	case Won:
+		return "won"
+	case Completed:
+		return "completed"
+	case Pending:
+		return "pending"
+	case Abandoned:
+		return "abandoned"
+	}
+	return "unknown"
+}
+
+var (
+	// ErrNotOwner: the key is no longer held by this owner token (its lease
+	// expired and someone took over, or it was released). A stale owner
+	// never overwrites or deletes another owner's claim.
+	ErrNotOwner = errors.New("claim is held by another owner")
+	// ErrUnavailable wraps failures to reach the store.
+	ErrUnavailable = errors.New("store unavailable")
+)
+
+// Claim asks for a key.
+type Claim struct {
+	// Key is a hash; stores never see raw arguments or explicit keys.
+	Key string
+	// Fingerprint identifies the call (tool and canonical arguments).
+	Fingerprint string
+	// Owner is a random token of the caller.
+	Owner string
+	// Lease is how long the claim lives without a Renew.
+	Lease time.Duration
+	// Retention is how long an unfinished claim is remembered, so that an
+	// abandoned one can still be recognized after its lease ran out.
+	Retention time.Duration
+	// TakeOver makes Reserve take a claim whose lease ran out (Won, with
+	// TookOver set) instead of reporting it Abandoned.
+	TakeOver bool
+}
+
+// Reservation is the outcome of Reserve.
+type Reservation struct {
+	State State
+	// Fingerprint of the record found (Completed, Pending, Abandoned).
+	Fingerprint string
+	// Response is the stored response (Completed).
+	Response []byte
+	// TookOver reports a Won that replaced an abandoned claim.
+	TookOver bool
+}
+
+// Store is implemented by every store and checked by the contract suite in
+// storetest. All methods are safe for concurrent use.
+type Store interface {
+	// Reserve claims a key atomically, or reports what holds it.
+	Reserve(ctx context.Context, c Claim) (Reservation, error)
+	// Renew extends the lease of a claim this owner still holds.
+	Renew(ctx context.Context, key, owner string, lease time.Duration) error
+	// Complete stores the response for ttl if the owner still holds the claim.
+	Complete(ctx context.Context, key, owner string, response []byte, ttl time.Duration) error
+	// Release deletes the claim if the owner still holds it, so the next
+	// call runs.
+	Release(ctx context.Context, key, owner string) error
+	// Wait blocks until the key is no longer pending under a live lease
+	// (completed, released, expired, or its lease ran out), or ctx ends.
+	// It may return early; callers Reserve again to see what happened.
+	Wait(ctx context.Context, key string) error
+	// Ping reports whether the store can be reached.
+	Ping(ctx context.Context) error
+	// Close releases the store's resources.
+	Close() error
+}

@@ -1,0 +1,331 @@
+// Package storetest is the contract every store.Store passes. A store's own
+// tests call Run with a constructor; each subtest gets a fresh store.
+package storetest
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/idemcp/idemcp/sidecar/store"
+)
+
+// Lease is the lease the suite uses where one must run out; stores whose
+// expiry is coarser than this cannot pass.
+const Lease = 400 * time.Millisecond
+
+// Run runs the contract against stores made by newStore.
+func Run(t *testing.T, newStore func(t *testing.T) store.Store) {
+	t.Helper()
+	tests := []struct {
+		name string
+		fn   func(t *testing.T, s store.Store)
+	}{
+		{"FirstReserveWins", testFirstReserveWins},
+		{"CompleteThenReplay", testCompleteThenReplay},
+		{"ReleaseLetsNextCallRun", testRelease},
+		{"StaleOwnerCannotTouchNewClaim", testStaleOwner},
+		{"AbandonedWithoutTakeOver", testAbandoned},
+		{"RenewKeepsClaimAlive", testRenew},
+		{"WaitWakesOnComplete", testWaitComplete},
+		{"WaitWakesOnRelease", testWaitRelease},
+		{"WaitWakesWhenLeaseRunsOut", testWaitLease},
+		{"WaitReturnsAtOnceWhenNotPending", testWaitNotPending},
+		{"WaitHonoursContext", testWaitContext},
+		{"CompletedRecordExpires", testExpiry},
+		{"ConcurrentReservesOneWinner", testConcurrent},
+		{"KeysAreIndependent", testIndependent},
+		{"Ping", func(t *testing.T, s store.Store) {
+			if err := s.Ping(context.Background()); err != nil {
+				t.Fatalf("Ping: %v", err)
+			}
+		}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			s := newStore(t)
+			t.Cleanup(func() { _ = s.Close() })
+			tt.fn(t, s)
+		})
+	}
+}
+
+func token() string {
+	b := make([]byte, 8)
+	_, _ = rand.Read(b)
+	return hex.EncodeToString(b)
+}
+
+func claim(key string) store.Claim {
+	return store.Claim{Key: key, Fingerprint: "fp-" + key, Owner: token(), Lease: 10 * time.Second, Retention: time.Minute, TakeOver: true}
+}
+
+func reserve(t *testing.T, s store.Store, c store.Claim) store.Reservation {
+	t.Helper()
+	r, err := s.Reserve(context.Background(), c)
+	if err != nil {
+		t.Fatalf("Reserve(%s): %v", c.Key, err)
+	}
+	return r
+}
+
+func want(t *testing.T, r store.Reservation, state store.State) {
+	t.Helper()
+	if r.State != state {
+		t.Fatalf("state = %s, want %s", r.State, state)
+	}
+}
+
+func testFirstReserveWins(t *testing.T, s store.Store) {
+	key := token()
+	c := claim(key)
+	want(t, reserve(t, s, c), store.Won)
+	other := claim(key)
+	r := reserve(t, s, other)
+	want(t, r, store.Pending)
+	if r.Fingerprint != c.Fingerprint {
+		t.Errorf("pending fingerprint = %q, want %q", r.Fingerprint, c.Fingerprint)
+	}
+}
+
+func testCompleteThenReplay(t *testing.T, s store.Store) {
+	ctx := context.Background()
+	key := token()
+	c := claim(key)
+	want(t, reserve(t, s, c), store.Won)
+	resp := []byte(`{"jsonrpc":"2.0","result":{"content":[]}}`)
+	if err := s.Complete(ctx, key, c.Owner, resp, time.Minute); err != nil {
+		t.Fatalf("Complete: %v", err)
+	}
+	for range 3 {
+		r := reserve(t, s, claim(key))
+		want(t, r, store.Completed)
+		if string(r.Response) != string(resp) || r.Fingerprint != c.Fingerprint {
+			t.Fatalf("replay = %q/%q, want %q/%q", r.Response, r.Fingerprint, resp, c.Fingerprint)
+		}
+	}
+	if err := s.Complete(ctx, key, c.Owner, []byte("again"), time.Minute); !errors.Is(err, store.ErrNotOwner) {
+		t.Errorf("second Complete = %v, want ErrNotOwner", err)
+	}
+	if err := s.Release(ctx, key, c.Owner); !errors.Is(err, store.ErrNotOwner) {
+		t.Errorf("Release after Complete = %v, want ErrNotOwner (a stored result is never deleted by its owner)", err)
+	}
+}
+
+func testRelease(t *testing.T, s store.Store) {
+	ctx := context.Background()
+	key := token()
+	c := claim(key)
+	want(t, reserve(t, s, c), store.Won)
+	if err := s.Release(ctx, key, "someone-else"); !errors.Is(err, store.ErrNotOwner) {
+		t.Errorf("Release by a stranger = %v, want ErrNotOwner", err)
+	}
+	want(t, reserve(t, s, claim(key)), store.Pending)
+	if err := s.Release(ctx, key, c.Owner); err != nil {
+		t.Fatalf("Release: %v", err)
+	}
+	want(t, reserve(t, s, claim(key)), store.Won)
+}
+
+func testStaleOwner(t *testing.T, s store.Store) {
+	ctx := context.Background()
+	key := token()
+	old := claim(key)
+	old.Lease = Lease
+	want(t, reserve(t, s, old), store.Won)
+	time.Sleep(Lease + 200*time.Millisecond)
+	next := claim(key)
+	r := reserve(t, s, next)
+	want(t, r, store.Won)
+	if !r.TookOver {
+		t.Error("TookOver = false for a claim whose lease ran out")
+	}
+	if err := s.Complete(ctx, key, old.Owner, []byte("stale"), time.Minute); !errors.Is(err, store.ErrNotOwner) {
+		t.Errorf("stale Complete = %v, want ErrNotOwner", err)
+	}
+	if err := s.Release(ctx, key, old.Owner); !errors.Is(err, store.ErrNotOwner) {
+		t.Errorf("stale Release = %v, want ErrNotOwner", err)
+	}
+	if err := s.Renew(ctx, key, old.Owner, time.Minute); !errors.Is(err, store.ErrNotOwner) {
+		t.Errorf("stale Renew = %v, want ErrNotOwner", err)
+	}
+	want(t, reserve(t, s, claim(key)), store.Pending)
+	if err := s.Complete(ctx, key, next.Owner, []byte("fresh"), time.Minute); err != nil {
+		t.Fatalf("new owner's Complete: %v", err)
+	}
+	r = reserve(t, s, claim(key))
+	want(t, r, store.Completed)
+	if string(r.Response) != "fresh" {
+		t.Errorf("response = %q, want the new owner's", r.Response)
+	}
+}
+
+func testAbandoned(t *testing.T, s store.Store) {
+	key := token()
+	c := claim(key)
+	c.Lease = Lease
+	want(t, reserve(t, s, c), store.Won)
+	time.Sleep(Lease + 200*time.Millisecond)
+	cautious := claim(key)
+	cautious.TakeOver = false
+	r := reserve(t, s, cautious)
+	want(t, r, store.Abandoned)
+	if r.Fingerprint != c.Fingerprint {
+		t.Errorf("abandoned fingerprint = %q, want %q", r.Fingerprint, c.Fingerprint)
+	}
+	// Still abandoned for the next cautious caller: nobody took it.
+	want(t, reserve(t, s, cautious), store.Abandoned)
+}
+
+func testRenew(t *testing.T, s store.Store) {
+	ctx := context.Background()
+	key := token()
+	c := claim(key)
+	c.Lease = Lease
+	want(t, reserve(t, s, c), store.Won)
+	for range 3 {
+		time.Sleep(Lease / 2)
+		if err := s.Renew(ctx, key, c.Owner, Lease); err != nil {
+			t.Fatalf("Renew: %v", err)
+		}
+	}
+	want(t, reserve(t, s, claim(key)), store.Pending)
+}
+
+func waitAsync(s store.Store, key string) <-chan error {
+	ch := make(chan error, 1)
+	go func() { ch <- s.Wait(context.Background(), key) }()
+	return ch
+}
+
+func expectWake(t *testing.T, ch <-chan error, within time.Duration) {
+	t.Helper()
+	select {
+	case err := <-ch:
+		if err != nil {
+			t.Fatalf("Wait: %v", err)
+		}
+	case <-time.After(within):
+		t.Fatalf("Wait did not return within %v", within)
+	}
+}
+
+func expectBlocked(t *testing.T, ch <-chan error) {
+	t.Helper()
+	select {
+	case err := <-ch:
+		t.Fatalf("Wait returned early (%v) while the claim is pending", err)
+	case <-time.After(150 * time.Millisecond):
+	}
+}
+
+func testWaitComplete(t *testing.T, s store.Store) {
+	key := token()
+	c := claim(key)
+	want(t, reserve(t, s, c), store.Won)
+	ch := waitAsync(s, key)
+	expectBlocked(t, ch)
+	if err := s.Complete(context.Background(), key, c.Owner, []byte("r"), time.Minute); err != nil {
+		t.Fatal(err)
+	}
+	expectWake(t, ch, 2*time.Second)
+	want(t, reserve(t, s, claim(key)), store.Completed)
+}
+
+func testWaitRelease(t *testing.T, s store.Store) {
+	key := token()
+	c := claim(key)
+	want(t, reserve(t, s, c), store.Won)
+	ch := waitAsync(s, key)
+	expectBlocked(t, ch)
+	if err := s.Release(context.Background(), key, c.Owner); err != nil {
+		t.Fatal(err)
+	}
+	expectWake(t, ch, 2*time.Second)
+	want(t, reserve(t, s, claim(key)), store.Won)
+}
+
+func testWaitLease(t *testing.T, s store.Store) {
+	key := token()
+	c := claim(key)
+	c.Lease = Lease
+	want(t, reserve(t, s, c), store.Won)
+	ch := waitAsync(s, key)
+	expectWake(t, ch, Lease+2*time.Second)
+}
+
+func testWaitNotPending(t *testing.T, s store.Store) {
+	expectWake(t, waitAsync(s, token()), time.Second)
+	key := token()
+	c := claim(key)
+	want(t, reserve(t, s, c), store.Won)
+	if err := s.Complete(context.Background(), key, c.Owner, []byte("r"), time.Minute); err != nil {
+		t.Fatal(err)
+	}
+	expectWake(t, waitAsync(s, key), time.Second)
+}
+
+func testWaitContext(t *testing.T, s store.Store) {
+	key := token()
+	want(t, reserve(t, s, claim(key)), store.Won)
+	ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+	defer cancel()
+	start := time.Now()
+	err := s.Wait(ctx, key)
+	if !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("Wait = %v, want context.DeadlineExceeded", err)
+	}
+	if d := time.Since(start); d > 2*time.Second {
+		t.Errorf("Wait ignored its context for %v", d)
+	}
+}
+
+func testExpiry(t *testing.T, s store.Store) {
+	key := token()
+	c := claim(key)
+	want(t, reserve(t, s, c), store.Won)
+	if err := s.Complete(context.Background(), key, c.Owner, []byte("r"), Lease); err != nil {
+		t.Fatal(err)
+	}
+	want(t, reserve(t, s, claim(key)), store.Completed)
+	time.Sleep(Lease + 200*time.Millisecond)
+	want(t, reserve(t, s, claim(key)), store.Won)
+}
+
+func testConcurrent(t *testing.T, s store.Store) {
+	key := token()
+	var wins atomic.Int32
+	var wg sync.WaitGroup
+	errs := make(chan error, 50)
+	for range 50 {
+		wg.Go(func() {
+			r, err := s.Reserve(context.Background(), claim(key))
+			if err != nil {
+				errs <- err
+				return
+			}
+			if r.State == store.Won {
+				wins.Add(1)
+			}
+		})
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatalf("Reserve: %v", err)
+	}
+	if n := wins.Load(); n != 1 {
+		t.Fatalf("%d of 50 concurrent reserves won, want exactly 1", n)
+	}
+}
+
+func testIndependent(t *testing.T, s store.Store) {
+	a, b := claim(token()), claim(token())
+	want(t, reserve(t, s, a), store.Won)
+	want(t, reserve(t, s, b), store.Won)
+}
