@@ -1,0 +1,442 @@
+// Package engine is the deduplication engine: it decides which tools/call
+// requests are deduplicated, derives their keys, claims them in a store,
+// runs the first call detached from its client and replays the stored
+// response to every retry. Transports (Streamable HTTP, legacy SSE, stdio)
+// parse messages and move bytes; all decisions are made here.
+package engine
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/idemcp/idemcp/api/v1alpha1"
+	"github.com/idemcp/idemcp/sidecar/mcpmsg"
+	"github.com/idemcp/idemcp/sidecar/policy"
+	"github.com/idemcp/idemcp/sidecar/store"
+)
+
+// Error is an idemcp error answered to the client as a JSON-RPC error.
+// Nothing was forwarded upstream when an Error is returned.
+type Error struct {
+	Code    int
+	Message string
+}
+
+func (e *Error) Error() string { return e.Message }
+
+// ErrDetached is returned when the client went away while the call it
+// started goes on upstream; its result is stored for the retry.
+var ErrDetached = errors.New("client went away; the call goes on and its result is kept for the retry")
+
+// Engine is safe for concurrent use. Its policy can be swapped at any time.
+type Engine struct {
+	policy  atomic.Pointer[policy.Policy]
+	store   store.Store
+	hints   *ToolHints
+	metrics *Metrics
+	log     *slog.Logger
+
+	instance string
+	seq      atomic.Uint64
+	running  sync.WaitGroup
+}
+
+// Options configure an Engine.
+type Options struct {
+	Policy  *policy.Policy
+	Store   store.Store
+	Metrics *Metrics
+	Logger  *slog.Logger
+}
+
+// New returns an engine.
+func New(o Options) *Engine {
+	e := &Engine{store: o.Store, hints: NewToolHints(), metrics: o.Metrics, log: o.Logger}
+	if e.metrics == nil {
+		e.metrics = NewMetrics(nil)
+	}
+	if e.log == nil {
+		e.log = slog.New(slog.DiscardHandler)
+	}
+	p := o.Policy
+	if p == nil {
+		p = policy.Default()
+	}
+	e.policy.Store(p)
+	var b [8]byte
+	_, _ = rand.Read(b[:])
+	e.instance = hex.EncodeToString(b[:])
+	return e
+}
+
+// Policy returns the policy in force.
+func (e *Engine) Policy() *policy.Policy { return e.policy.Load() }
+
+// SetPolicy swaps the policy atomically; calls already planned finish
+// under the policy they started with.
+func (e *Engine) SetPolicy(p *policy.Policy) { e.policy.Store(p) }
+
+// Hints are the tool annotations learned from tools/list.
+func (e *Engine) Hints() *ToolHints { return e.hints }
+
+// Metrics returns the engine's counters.
+func (e *Engine) Metrics() *Metrics { return e.metrics }
+
+// Deduplicates reports whether calls to tool are deduplicated under the
+// policy in force, resolving Auto with the server's readOnlyHint.
+func (e *Engine) Deduplicates(tool string) bool {
+	return e.deduplicates(e.policy.Load().RuleFor(tool), tool)
+}
+
+func (e *Engine) deduplicates(r *policy.Rule, tool string) bool {
+	switch r.Mode {
+	case v1alpha1.ModeDeduplicate:
+		return true
+	case v1alpha1.ModePassthrough:
+		return false
+	default:
+		return !e.hints.ReadOnly(tool)
+	}
+}
+
+// CountPassthrough counts a tools/call forwarded without deduplication.
+func (e *Engine) CountPassthrough() { e.metrics.Calls.WithLabelValues(OutcomePassthrough).Inc() }
+
+// Plan is a tools/call the engine will deduplicate.
+type Plan struct {
+	Tool        string
+	Key         string
+	Fingerprint string
+	Explicit    bool
+	Rule        *policy.Rule
+	Policy      *policy.Policy
+}
+
+// Plan decides whether a tools/call is deduplicated. It returns nil (and no
+// error) for a call to forward untouched, and an *Error for a call to
+// refuse without forwarding (a bad explicit key, unparseable arguments).
+func (e *Engine) Plan(tc *ToolCall, c Caller) (*Plan, error) {
+	p := e.policy.Load()
+	rule := p.RuleFor(tc.Name)
+	if !e.deduplicates(rule, tc.Name) {
+		// A key on a call that is not deduplicated means nothing to us;
+		// the server gets the call exactly as sent.
+		return nil, nil
+	}
+	explicit, err := ExplicitKey(c, tc.Meta)
+	if err != nil {
+		e.metrics.Calls.WithLabelValues(OutcomeRejected).Inc()
+		return nil, err
+	}
+	fp, err := Fingerprint(tc.Name, tc.Arguments, rule.IgnoreArguments)
+	if err != nil {
+		e.metrics.Calls.WithLabelValues(OutcomeRejected).Inc()
+		return nil, err
+	}
+	return &Plan{
+		Tool:        tc.Name,
+		Key:         deriveKey(rule, c, explicit, fp),
+		Fingerprint: fp,
+		Explicit:    explicit != "",
+		Rule:        rule,
+		Policy:      p,
+	}, nil
+}
+
+// Upstream is what the transport got from the MCP server for one call.
+type Upstream struct {
+	// Response is the final JSON-RPC response message, or nil if the
+	// server sent none.
+	Response []byte
+	// Status is the HTTP status (0 for transports without one); anything
+	// but 2xx releases the key.
+	Status int
+}
+
+// Forward sends the call upstream and relays whatever the server streams
+// back (progress, server-to-client requests, the response itself) to the
+// client as it arrives. It runs detached from the client: ctx is not
+// cancelled when the client goes away.
+type Forward func(ctx context.Context) (Upstream, error)
+
+// Kind says how a deduplicated call was answered.
+type Kind int
+
+const (
+	// Executed: this call ran upstream; Forward already relayed its response.
+	Executed Kind = iota + 1
+	// Replayed: Response holds a stored response for the transport to send
+	// with the caller's id (mcpmsg.WithID).
+	Replayed
+	// ForwardedOpen: the store was unreachable and the policy says
+	// FailOpen; Forward relayed the response, nothing was deduplicated.
+	ForwardedOpen
+)
+
+// Outcome is how a deduplicated call was answered.
+type Outcome struct {
+	Kind     Kind
+	Response []byte
+}
+
+// Execute runs a planned call exactly once across every caller that shares
+// its key. It returns an *Error to answer without forwarding, or
+// ErrDetached if ctx ended while this call was running upstream.
+func (e *Engine) Execute(ctx context.Context, p *Plan, fwd Forward) (Outcome, error) {
+	owner := e.instance + "-" + strconv.FormatUint(e.seq.Add(1), 36)
+	claim := store.Claim{
+		Key:         p.Key,
+		Fingerprint: p.Fingerprint,
+		Owner:       owner,
+		Lease:       p.Policy.LeaseDuration,
+		Retention:   max(p.Rule.TTL, p.Policy.LeaseDuration),
+		TakeOver:    p.Rule.OnAbandoned != v1alpha1.AbandonedError,
+	}
+	waitCtx, cancel := context.WithTimeout(ctx, p.Policy.WaitTimeout)
+	defer cancel()
+	for {
+		r, err := e.store.Reserve(ctx, claim)
+		if err != nil {
+			if ctx.Err() != nil {
+				return Outcome{}, ctx.Err()
+			}
+			e.metrics.StoreErrors.WithLabelValues("reserve").Inc()
+			return e.storeUnavailable(ctx, p, fwd, err)
+		}
+		if r.State != store.Won && r.Fingerprint != p.Fingerprint {
+			e.metrics.Calls.WithLabelValues(OutcomeRejected).Inc()
+			return Outcome{}, &Error{Code: mcpmsg.CodeKeyConflict, Message: fmt.Sprintf(
+				"idempotency key conflict: this key was already used for a call with different arguments (tool %q); use a new key for a new operation", p.Tool)}
+		}
+		switch r.State {
+		case store.Won:
+			if r.TookOver {
+				e.metrics.TakeOvers.Inc()
+				e.log.Warn("Took over an abandoned claim", "tool", p.Tool, "key", p.Key)
+			}
+			return e.run(ctx, p, owner, fwd)
+		case store.Completed:
+			e.metrics.Calls.WithLabelValues(OutcomeReplayed).Inc()
+			return Outcome{Kind: Replayed, Response: r.Response}, nil
+		case store.Abandoned:
+			e.metrics.Calls.WithLabelValues(OutcomeRejected).Inc()
+			return Outcome{}, &Error{Code: mcpmsg.CodeOutcomeUnknown, Message: fmt.Sprintf(
+				"outcome unknown: the first call to %q with this key stopped mid-call (its sidecar died) and onAbandoned is Error, so it is not run again; check whether it took effect", p.Tool)}
+		case store.Pending:
+			if p.Policy.InFlight == v1alpha1.InFlightReject {
+				e.metrics.Calls.WithLabelValues(OutcomeRejected).Inc()
+				return Outcome{}, &Error{Code: mcpmsg.CodeInFlight, Message: fmt.Sprintf(
+					"a call to %q with this key is still running; retry later to get its result", p.Tool)}
+			}
+			if err := e.store.Wait(waitCtx, p.Key); err != nil {
+				if ctx.Err() != nil {
+					return Outcome{}, ctx.Err()
+				}
+				if waitCtx.Err() != nil {
+					e.metrics.Calls.WithLabelValues(OutcomeRejected).Inc()
+					return Outcome{}, &Error{Code: mcpmsg.CodeInFlight, Message: fmt.Sprintf(
+						"a call to %q with this key is still running after waiting %s (waitTimeout); retry later to get its result", p.Tool, p.Policy.WaitTimeout)}
+				}
+				e.metrics.StoreErrors.WithLabelValues("wait").Inc()
+				return e.storeUnavailable(ctx, p, fwd, err)
+			}
+		}
+	}
+}
+
+func (e *Engine) storeUnavailable(ctx context.Context, p *Plan, fwd Forward, err error) (Outcome, error) {
+	if p.Policy.OnStoreUnavailable == v1alpha1.FailOpen {
+		e.log.Warn("Store unavailable, forwarding without deduplication (FailOpen)", "tool", p.Tool, "err", err)
+		e.metrics.Calls.WithLabelValues(OutcomeFailedOpen).Inc()
+		if _, ferr := fwd(ctx); ferr != nil {
+			return Outcome{}, ferr
+		}
+		return Outcome{Kind: ForwardedOpen}, nil
+	}
+	e.log.Error("Store unavailable, refusing the call (FailClosed)", "tool", p.Tool, "err", err)
+	e.metrics.Calls.WithLabelValues(OutcomeRejected).Inc()
+	return Outcome{}, &Error{Code: mcpmsg.CodeStoreUnavailable, Message: fmt.Sprintf(
+		"the idempotency store is unreachable (%v); %q was not called (onStoreUnavailable: FailClosed); retry later", err, p.Tool)}
+}
+
+// run executes the call this owner won, detached from ctx: a client that
+// disconnects or cancels does not stop it, and its result is stored.
+func (e *Engine) run(ctx context.Context, p *Plan, owner string, fwd Forward) (Outcome, error) {
+	done := make(chan error, 1)
+	e.running.Add(1)
+	go func() {
+		defer e.running.Done()
+		runCtx := context.WithoutCancel(ctx)
+		stopRenew := e.renew(runCtx, p, owner)
+		up, err := fwd(runCtx)
+		stopRenew()
+		e.settle(runCtx, p, owner, up, err)
+		done <- err
+	}()
+	select {
+	case err := <-done:
+		if err != nil {
+			return Outcome{}, err
+		}
+		e.metrics.Calls.WithLabelValues(OutcomeExecuted).Inc()
+		return Outcome{Kind: Executed}, nil
+	case <-ctx.Done():
+		e.metrics.Calls.WithLabelValues(OutcomeExecuted).Inc()
+		return Outcome{}, ErrDetached
+	}
+}
+
+// Drain waits until every call running upstream has finished and its
+// result is stored or released, or ctx ends. A sidecar drains before it
+// exits so that a detached call is not lost.
+func (e *Engine) Drain(ctx context.Context) error {
+	done := make(chan struct{})
+	go func() { e.running.Wait(); close(done) }()
+	select {
+	case <-done:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// renew keeps the claim's lease alive while the upstream call runs.
+func (e *Engine) renew(ctx context.Context, p *Plan, owner string) (stop func()) {
+	ctx, cancel := context.WithCancel(ctx)
+	lease := p.Policy.LeaseDuration
+	go func() {
+		t := time.NewTicker(lease / 3)
+		defer t.Stop()
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-t.C:
+				err := e.store.Renew(ctx, p.Key, owner, lease)
+				if errors.Is(err, store.ErrNotOwner) {
+					e.log.Error("Lost the claim while the call runs: another caller took it over", "tool", p.Tool, "key", p.Key)
+					return
+				}
+				if err != nil && ctx.Err() == nil {
+					e.metrics.StoreErrors.WithLabelValues("renew").Inc()
+				}
+			}
+		}
+	}()
+	return cancel
+}
+
+// Reasons a result is not kept (idemcp_results_not_stored_total).
+const (
+	ReasonTransport     = "transport_error"
+	ReasonHTTPStatus    = "http_error"
+	ReasonRPCError      = "jsonrpc_error"
+	ReasonToolError     = "tool_error"
+	ReasonInputRequired = "input_required"
+	ReasonTooLarge      = "too_large"
+)
+
+// settle stores a success or releases the key so a genuine retry retries.
+func (e *Engine) settle(ctx context.Context, p *Plan, owner string, up Upstream, err error) {
+	reason := ""
+	var stored []byte
+	switch {
+	case err != nil:
+		reason = ReasonTransport
+	case up.Status != 0 && (up.Status < 200 || up.Status > 299):
+		reason = ReasonHTTPStatus
+	case up.Response == nil:
+		reason = ReasonTransport
+	default:
+		stored, reason = e.replayable(p, up.Response)
+	}
+	if reason != "" && reason != ReasonTooLarge {
+		e.metrics.NotStored.WithLabelValues(reason).Inc()
+		if rerr := e.store.Release(ctx, p.Key, owner); rerr != nil {
+			e.storeWriteFailed("release", p, rerr)
+		}
+		return
+	}
+	if reason == ReasonTooLarge {
+		e.metrics.NotStored.WithLabelValues(reason).Inc()
+		e.log.Warn("Result over maxResultBytes was forwarded but not stored; retries get an error, not a second run",
+			"tool", p.Tool, "bytes", len(up.Response), "maxResultBytes", p.Policy.MaxResultBytes)
+	}
+	if cerr := e.store.Complete(ctx, p.Key, owner, stored, p.Rule.TTL); cerr != nil {
+		e.storeWriteFailed("complete", p, cerr)
+	}
+}
+
+func (e *Engine) storeWriteFailed(op string, p *Plan, err error) {
+	if errors.Is(err, store.ErrNotOwner) {
+		e.log.Error("Claim was taken over before the call finished; its result is not stored", "tool", p.Tool, "op", op)
+		return
+	}
+	e.metrics.StoreErrors.WithLabelValues(op).Inc()
+	e.log.Error("Store write failed after the call ran", "tool", p.Tool, "op", op, "err", err)
+}
+
+// replayable returns what to store for a response, or why it is not kept.
+// What is stored is the response without its id and with
+// result._meta["idemcp.io/replayed"] set, so a replay only splices an id in.
+func (e *Engine) replayable(p *Plan, resp []byte) ([]byte, string) {
+	var m struct {
+		Result json.RawMessage `json:"result"`
+		Error  json.RawMessage `json:"error"`
+	}
+	if err := json.Unmarshal(resp, &m); err != nil || (len(m.Error) == 0 && len(m.Result) == 0) {
+		return nil, ReasonTransport
+	}
+	if len(m.Error) > 0 && string(m.Error) != "null" {
+		return nil, ReasonRPCError
+	}
+	var res map[string]json.RawMessage
+	if err := json.Unmarshal(m.Result, &res); err != nil {
+		return nil, ReasonTransport
+	}
+	if rt, ok := res["resultType"]; ok && string(rt) == `"input_required"` {
+		return nil, ReasonInputRequired
+	}
+	if ie, ok := res["isError"]; ok && string(ie) == "true" && !p.Rule.CacheToolErrors {
+		return nil, ReasonToolError
+	}
+	if int64(len(resp)) > p.Policy.MaxResultBytes {
+		// Keep a marker, not the result: a retry learns the call ran
+		// instead of running it a second time.
+		return tooLargeMarker(p, len(resp)), ReasonTooLarge
+	}
+	meta := map[string]json.RawMessage{}
+	if raw, ok := res["_meta"]; ok {
+		_ = json.Unmarshal(raw, &meta)
+	}
+	meta[ReplayedMeta] = json.RawMessage("true")
+	res["_meta"], _ = json.Marshal(meta)
+	result, err := json.Marshal(res)
+	if err != nil {
+		return nil, ReasonTransport
+	}
+	out := make([]byte, 0, len(result)+32)
+	out = append(out, `{"jsonrpc":"2.0","result":`...)
+	out = append(out, result...)
+	return append(out, '}'), ""
+}
+
+// ReplayedMeta is the result._meta member set on every replayed response.
+const ReplayedMeta = "idemcp.io/replayed"
+
+func tooLargeMarker(p *Plan, size int) []byte {
+	msg := fmt.Sprintf("the first call to %q with this key completed, but its result (%d bytes) was over maxResultBytes (%d) and was not kept; it is not run again", p.Tool, size, p.Policy.MaxResultBytes)
+	full := mcpmsg.ErrorResponse(json.RawMessage("null"), mcpmsg.CodeResultNotStored, msg)
+	// Drop the id: stored responses are spliced with the caller's id.
+	const prefix = `{"jsonrpc":"2.0","id":null,`
+	return append([]byte(`{"jsonrpc":"2.0",`), full[len(prefix):]...)
+}

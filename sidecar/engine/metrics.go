@@ -1,0 +1,46 @@
+package engine
+
+import "github.com/prometheus/client_golang/prometheus"
+
+// Metrics are the engine's Prometheus series.
+type Metrics struct {
+	Calls       *prometheus.CounterVec
+	NotStored   *prometheus.CounterVec
+	StoreErrors *prometheus.CounterVec
+	TakeOvers   prometheus.Counter
+}
+
+// Outcome labels of idemcp_tool_calls_total.
+const (
+	OutcomeExecuted    = "executed"
+	OutcomeReplayed    = "replayed"
+	OutcomePassthrough = "passthrough"
+	OutcomeRejected    = "rejected"
+	OutcomeFailedOpen  = "failed_open"
+)
+
+// NewMetrics registers the engine's series with reg (nil: not registered).
+func NewMetrics(reg prometheus.Registerer) *Metrics {
+	m := &Metrics{
+		Calls: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "idemcp_tool_calls_total",
+			Help: "tools/call requests by outcome: executed, replayed, passthrough, rejected (an idemcp error) or failed_open.",
+		}, []string{"outcome"}),
+		NotStored: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "idemcp_results_not_stored_total",
+			Help: "Deduplicated calls whose result was not kept for replay, by reason.",
+		}, []string{"reason"}),
+		StoreErrors: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "idemcp_store_errors_total",
+			Help: "Store operations that failed, by operation.",
+		}, []string{"op"}),
+		TakeOvers: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "idemcp_claims_taken_over_total",
+			Help: "Claims whose owner died mid-call and that another call took over (onAbandoned: Retry).",
+		}),
+	}
+	if reg != nil {
+		reg.MustRegister(m.Calls, m.NotStored, m.StoreErrors, m.TakeOvers)
+	}
+	return m
+}

@@ -1,0 +1,86 @@
+package httpproxy
+
+import (
+	"bytes"
+	"encoding/json"
+	"io"
+	"mime"
+	"net/http"
+
+	"github.com/idemcp/idemcp/sidecar/mcpmsg"
+)
+
+// maxToolsListBytes bounds how much of a tools/list response is kept to
+// learn readOnlyHint from; a larger list is still forwarded whole.
+const maxToolsListBytes = 8 << 20
+
+// tapToolsList lets tools/list responses teach the engine each tool's
+// readOnlyHint as they stream by, for defaultMode: Auto.
+func (p *Proxy) tapToolsList(resp *http.Response) error {
+	if v, _ := resp.Request.Context().Value(toolsListKey).(bool); !v || resp.StatusCode != http.StatusOK {
+		return nil
+	}
+	mt, _, _ := mime.ParseMediaType(resp.Header.Get("Content-Type"))
+	resp.Body = &tap{ReadCloser: resp.Body, sse: mt == "text/event-stream", observe: p.observeToolsList}
+	return nil
+}
+
+func (p *Proxy) observeToolsList(msg []byte) {
+	var m struct {
+		Result json.RawMessage `json:"result"`
+	}
+	if json.Unmarshal(msg, &m) == nil && len(m.Result) > 0 {
+		p.engine.Hints().ObserveListResult(m.Result)
+	}
+}
+
+type tap struct {
+	io.ReadCloser
+	sse      bool
+	buf      bytes.Buffer
+	overflow bool
+	finished bool
+	observe  func([]byte)
+}
+
+func (t *tap) Read(b []byte) (int, error) {
+	n, err := t.ReadCloser.Read(b)
+	if !t.overflow {
+		if t.buf.Len()+n > maxToolsListBytes {
+			t.overflow = true
+			t.buf = bytes.Buffer{}
+		} else {
+			t.buf.Write(b[:n])
+		}
+	}
+	if err != nil {
+		t.finish()
+	}
+	return n, err
+}
+
+func (t *tap) Close() error {
+	t.finish()
+	return t.ReadCloser.Close()
+}
+
+func (t *tap) finish() {
+	if t.finished || t.overflow {
+		return
+	}
+	t.finished = true
+	if !t.sse {
+		t.observe(t.buf.Bytes())
+		return
+	}
+	er := mcpmsg.NewEventReader(&t.buf, maxToolsListBytes)
+	for {
+		ev, err := er.Next()
+		if len(ev.Data) > 0 {
+			t.observe(ev.Data)
+		}
+		if err != nil {
+			return // io.EOF, or a torn stream: learn from what arrived
+		}
+	}
+}

@@ -1,0 +1,225 @@
+// Package sidecar is the `idemcp sidecar` command: the dedup proxy that
+// runs beside an MCP server in a pod (or on a laptop in front of a
+// Streamable HTTP server).
+package sidecar
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"net/url"
+	"os"
+	"strconv"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/idemcp/idemcp/sidecar/engine"
+	"github.com/idemcp/idemcp/sidecar/httpproxy"
+	"github.com/idemcp/idemcp/sidecar/policy"
+	"github.com/idemcp/idemcp/sidecar/store"
+)
+
+// Options are the sidecar's flags; each also reads IDEMCP_<FLAG> from the
+// environment (IDEMCP_LISTEN, IDEMCP_UPSTREAM, ...).
+type Options struct {
+	Listen           string
+	Upstream         string
+	PolicyFile       string
+	AdminListen      string
+	MaxBodyBytes     int64
+	MaxResponseBytes int64
+	MemoryMaxEntries int
+	ShutdownTimeout  time.Duration
+	LogLevel         string
+}
+
+// Flags registers the options on fs, with defaults from the environment.
+func (o *Options) Flags(fs *flag.FlagSet) {
+	fs.StringVar(&o.Listen, "listen", env("LISTEN", ":8081"), "address the proxy listens on")
+	fs.StringVar(&o.Upstream, "upstream", env("UPSTREAM", ""), "URL of the MCP server, such as http://127.0.0.1:8080 (required)")
+	fs.StringVar(&o.PolicyFile, "policy-file", env("POLICY_FILE", ""), "an IdempotencyPolicy YAML file; only its spec is used (default: Memory store, Session scope, Auto, 24h TTL)")
+	fs.StringVar(&o.AdminListen, "admin-listen", env("ADMIN_LISTEN", ":9091"), "address of /healthz, /readyz and /metrics (empty: off)")
+	fs.Int64Var(&o.MaxBodyBytes, "max-body-bytes", envInt("MAX_BODY_BYTES", httpproxy.DefaultMaxBodyBytes), "largest request body accepted")
+	fs.Int64Var(&o.MaxResponseBytes, "max-response-bytes", envInt("MAX_RESPONSE_BYTES", httpproxy.DefaultMaxResponseBytes), "largest response message of a deduplicated call that is relayed")
+	fs.IntVar(&o.MemoryMaxEntries, "memory-max-entries", int(envInt("MEMORY_MAX_ENTRIES", store.DefaultMaxEntries)), "most records the memory store holds")
+	fs.DurationVar(&o.ShutdownTimeout, "shutdown-timeout", envDuration("SHUTDOWN_TIMEOUT", 30*time.Second), "how long to wait for calls in flight when stopping")
+	fs.StringVar(&o.LogLevel, "log-level", env("LOG_LEVEL", "info"), "debug, info, warn or error")
+}
+
+func env(name, def string) string {
+	if v, ok := os.LookupEnv("IDEMCP_" + name); ok {
+		return v
+	}
+	return def
+}
+
+func envInt(name string, def int64) int64 {
+	if v, ok := os.LookupEnv("IDEMCP_" + name); ok {
+		if n, err := strconv.ParseInt(v, 10, 64); err == nil {
+			return n
+		}
+	}
+	return def
+}
+
+func envDuration(name string, def time.Duration) time.Duration {
+	if v, ok := os.LookupEnv("IDEMCP_" + name); ok {
+		if d, err := time.ParseDuration(v); err == nil {
+			return d
+		}
+	}
+	return def
+}
+
+// Main runs `idemcp sidecar ARGS` until ctx ends.
+func Main(ctx context.Context, args []string) error {
+	fs := flag.NewFlagSet("idemcp sidecar", flag.ContinueOnError)
+	var o Options
+	o.Flags(fs)
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if fs.NArg() > 0 {
+		return fmt.Errorf("unexpected arguments %q", fs.Args())
+	}
+	s, err := New(o)
+	if err != nil {
+		return err
+	}
+	return s.Run(ctx)
+}
+
+// Sidecar is a configured proxy, ready to run.
+type Sidecar struct {
+	opts     Options
+	log      *slog.Logger
+	engine   *engine.Engine
+	store    store.Store
+	proxy    *httpproxy.Proxy
+	registry *prometheus.Registry
+}
+
+// New checks the options, loads the policy and builds the store.
+func New(o Options) (*Sidecar, error) {
+	var level slog.Level
+	if err := level.UnmarshalText([]byte(o.LogLevel)); err != nil {
+		return nil, fmt.Errorf("--log-level: %q is not one of debug, info, warn, error", o.LogLevel)
+	}
+	log := slog.New(slog.NewJSONHandler(os.Stderr, &slog.HandlerOptions{Level: level}))
+	if o.Upstream == "" {
+		return nil, errors.New("--upstream is required: the MCP server's URL, such as http://127.0.0.1:8080")
+	}
+	up, err := url.Parse(o.Upstream)
+	if err != nil || (up.Scheme != "http" && up.Scheme != "https") || up.Host == "" {
+		return nil, fmt.Errorf("--upstream: %q is not an http:// or https:// URL with a host", o.Upstream)
+	}
+	pol := policy.Default()
+	if o.PolicyFile != "" {
+		if pol, err = policy.LoadFile(o.PolicyFile); err != nil {
+			return nil, fmt.Errorf("--policy-file %s: %w", o.PolicyFile, err)
+		}
+	}
+	st, err := newStore(o, pol)
+	if err != nil {
+		return nil, err
+	}
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	eng := engine.New(engine.Options{Policy: pol, Store: st, Metrics: engine.NewMetrics(reg), Logger: log})
+	return &Sidecar{
+		opts:     o,
+		log:      log,
+		engine:   eng,
+		store:    st,
+		registry: reg,
+		proxy: httpproxy.New(httpproxy.Options{
+			Upstream:         up,
+			Engine:           eng,
+			MaxBodyBytes:     o.MaxBodyBytes,
+			MaxResponseBytes: o.MaxResponseBytes,
+			Logger:           log,
+		}),
+	}, nil
+}
+
+func newStore(o Options, p *policy.Policy) (store.Store, error) {
+	switch p.Spec.Store.Type {
+	case "", "Memory":
+		return store.NewMemory(o.MemoryMaxEntries), nil
+	default:
+		return nil, fmt.Errorf("spec.store.type: %s is not supported by this sidecar yet; use Memory", p.Spec.Store.Type)
+	}
+}
+
+// Engine returns the sidecar's engine.
+func (s *Sidecar) Engine() *engine.Engine { return s.engine }
+
+// Handler returns the proxy handler.
+func (s *Sidecar) Handler() http.Handler { return s.proxy }
+
+// AdminHandler serves /healthz, /readyz and /metrics.
+func (s *Sidecar) AdminHandler() http.Handler {
+	mux := http.NewServeMux()
+	mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write([]byte("ok\n")) })
+	mux.HandleFunc("/readyz", func(w http.ResponseWriter, r *http.Request) {
+		ctx, cancel := context.WithTimeout(r.Context(), 2*time.Second)
+		defer cancel()
+		if err := s.store.Ping(ctx); err != nil {
+			http.Error(w, fmt.Sprintf("store unreachable: %v", err), http.StatusServiceUnavailable)
+			return
+		}
+		fmt.Fprintf(w, "ok policy=%s\n", s.engine.Policy().Hash)
+	})
+	mux.Handle("/metrics", promhttp.HandlerFor(s.registry, promhttp.HandlerOpts{}))
+	return mux
+}
+
+// Run serves until ctx ends, then drains: calls running upstream finish
+// and their results are stored before it returns.
+func (s *Sidecar) Run(ctx context.Context) error {
+	ln, err := net.Listen("tcp", s.opts.Listen)
+	if err != nil {
+		return fmt.Errorf("--listen: %w", err)
+	}
+	servers := []*http.Server{{Handler: s.proxy, ReadHeaderTimeout: 10 * time.Second}}
+	listeners := []net.Listener{ln}
+	if s.opts.AdminListen != "" {
+		aln, err := net.Listen("tcp", s.opts.AdminListen)
+		if err != nil {
+			ln.Close()
+			return fmt.Errorf("--admin-listen: %w", err)
+		}
+		servers = append(servers, &http.Server{Handler: s.AdminHandler(), ReadHeaderTimeout: 10 * time.Second})
+		listeners = append(listeners, aln)
+	}
+	s.log.Info("Sidecar listening", "listen", ln.Addr().String(), "upstream", s.opts.Upstream,
+		"policy", s.engine.Policy().Hash, "store", s.engine.Policy().Spec.Store.Type)
+	errc := make(chan error, len(servers))
+	for i, srv := range servers {
+		go func() { errc <- srv.Serve(listeners[i]) }()
+	}
+	select {
+	case err = <-errc:
+	case <-ctx.Done():
+	}
+	shutdownCtx, cancel := context.WithTimeout(context.Background(), s.opts.ShutdownTimeout)
+	defer cancel()
+	for _, srv := range servers {
+		_ = srv.Shutdown(shutdownCtx)
+	}
+	if derr := s.engine.Drain(shutdownCtx); derr != nil {
+		s.log.Error("Calls still running at shutdown; their results are not stored", "err", derr)
+	}
+	_ = s.store.Close()
+	if err != nil && !errors.Is(err, http.ErrServerClosed) {
+		return err
+	}
+	return nil
+}
