@@ -175,7 +175,7 @@ func (s *Sidecar) AdminHandler() http.Handler {
 			http.Error(w, fmt.Sprintf("store unreachable: %v", err), http.StatusServiceUnavailable)
 			return
 		}
-		fmt.Fprintf(w, "ok policy=%s\n", s.engine.Policy().Hash)
+		_, _ = fmt.Fprintf(w, "ok policy=%s\n", s.engine.Policy().Hash)
 	})
 	mux.Handle("/metrics", promhttp.HandlerFor(s.registry, promhttp.HandlerOpts{}))
 	return mux
@@ -193,7 +193,7 @@ func (s *Sidecar) Run(ctx context.Context) error {
 	if s.opts.AdminListen != "" {
 		aln, err := net.Listen("tcp", s.opts.AdminListen)
 		if err != nil {
-			ln.Close()
+			_ = ln.Close()
 			return fmt.Errorf("--admin-listen: %w", err)
 		}
 		servers = append(servers, &http.Server{Handler: s.AdminHandler(), ReadHeaderTimeout: 10 * time.Second})

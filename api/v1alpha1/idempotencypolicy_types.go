@@ -317,7 +317,3 @@ type IdempotencyPolicyList struct {
 	metav1.ListMeta `json:"metadata,omitempty"`
 	Items           []IdempotencyPolicy `json:"items"`
 }
-
-func init() {
-	SchemeBuilder.Register(&IdempotencyPolicy{}, &IdempotencyPolicyList{})
-}

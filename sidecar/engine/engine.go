@@ -172,12 +172,12 @@ type Forward func(ctx context.Context) (Upstream, error)
 type Kind int
 
 const (
-	// Executed: this call ran upstream; Forward already relayed its response.
+	// Executed means this call ran upstream; Forward already relayed its response.
 	Executed Kind = iota + 1
-	// Replayed: Response holds a stored response for the transport to send
+	// Replayed means Response holds a stored response for the transport to send
 	// with the caller's id (mcpmsg.WithID).
 	Replayed
-	// ForwardedOpen: the store was unreachable and the policy says
+	// ForwardedOpen means the store was unreachable and the policy says
 	// FailOpen; Forward relayed the response, nothing was deduplicated.
 	ForwardedOpen
 )

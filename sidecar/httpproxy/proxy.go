@@ -299,7 +299,7 @@ func (p *Proxy) forwardDedup(ctx context.Context, in *http.Request, body []byte,
 	if err != nil {
 		return engine.Upstream{}, fmt.Errorf("calling the MCP server: %w", err)
 	}
-	defer resp.Body.Close()
+	defer func() { _ = resp.Body.Close() }()
 	h := resp.Header.Clone()
 	removeHopHeaders(h)
 	up := engine.Upstream{Status: resp.StatusCode}

@@ -163,3 +163,16 @@ func TestLoadFile(t *testing.T) {
 		t.Error("missing file loaded")
 	}
 }
+
+// The samples users start from must load in a sidecar as they are.
+func TestSamplesCompile(t *testing.T) {
+	paths, err := filepath.Glob("../../config/samples/idemcp_*.yaml")
+	if err != nil || len(paths) < 3 {
+		t.Fatalf("found samples %v (%v), want at least 3", paths, err)
+	}
+	for _, path := range paths {
+		if _, err := LoadFile(path); err != nil {
+			t.Errorf("%s: %v", path, err)
+		}
+	}
+}

@@ -18,7 +18,7 @@ func TestMemoryContract(t *testing.T) {
 func TestMemoryBounded(t *testing.T) {
 	ctx := context.Background()
 	m := store.NewMemory(3)
-	defer m.Close()
+	defer func() { _ = m.Close() }()
 	claim := func(k string) store.Claim {
 		return store.Claim{Key: k, Fingerprint: k, Owner: "o-" + k, Lease: time.Minute, Retention: time.Hour}
 	}

@@ -13,14 +13,14 @@ import (
 type State int
 
 const (
-	// Won: the caller now owns the key and must run the call, then Complete
+	// Won means the caller now owns the key and must run the call, then Complete
 	// or Release.
 	Won State = iota + 1
-	// Completed: a response is stored; replay it.
+	// Completed means a response is stored; replay it.
 	Completed
-	// Pending: another owner holds a live lease; wait or reject.
+	// Pending means another owner holds a live lease; wait or reject.
 	Pending
-	// Abandoned: the owner's lease ran out before it completed, and the
+	// Abandoned means the owner's lease ran out before it completed, and the
 	// caller did not ask to take the claim over.
 	Abandoned
 )
@@ -40,7 +40,7 @@ func (s State) String() string {
 }
 
 var (
-	// ErrNotOwner: the key is no longer held by this owner token (its lease
+	// ErrNotOwner means the key is no longer held by this owner token (its lease
 	// expired and someone took over, or it was released). A stale owner
 	// never overwrites or deletes another owner's claim.
 	ErrNotOwner = errors.New("claim is held by another owner")

@@ -38,7 +38,7 @@ func post(t *testing.T, url, body string, hdr http.Header) (*http.Response, rpcR
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer resp.Body.Close()
+	defer func() { _ = resp.Body.Close() }()
 	data, _ := io.ReadAll(resp.Body)
 	var r rpcReply
 	if strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream") {
@@ -138,7 +138,7 @@ func TestBatchIsForwardedByteForByte(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer resp.Body.Close()
+	defer func() { _ = resp.Body.Close() }()
 	reply, _ := io.ReadAll(resp.Body)
 	if string(got) != batch {
 		t.Errorf("server got %q, want the batch unchanged", got)
@@ -156,8 +156,8 @@ func TestTransparency(t *testing.T) {
 	var host string
 	upstream := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		seen, host = r.Header.Clone(), r.Host
-		switch {
-		case r.Method == http.MethodGet:
+		switch r.Method {
+		case http.MethodGet:
 			w.Header().Set("Content-Type", "text/event-stream")
 			w.Header().Set("Mcp-Session-Id", "sess-1")
 			w.WriteHeader(http.StatusOK)
@@ -165,7 +165,7 @@ func TestTransparency(t *testing.T) {
 			w.(http.Flusher).Flush()
 			<-release // the second event comes only after the client saw the first
 			_, _ = w.Write([]byte("id: 2\nevent: message\ndata: {\"jsonrpc\":\"2.0\",\"method\":\"notifications/message\",\"params\":{\"n\":2}}\n\n"))
-		case r.Method == http.MethodDelete:
+		case http.MethodDelete:
 			w.WriteHeader(http.StatusNoContent)
 		default:
 			body, _ := io.ReadAll(r.Body)
@@ -202,7 +202,7 @@ func TestTransparency(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	resp.Body.Close()
+	_ = resp.Body.Close()
 	if resp.StatusCode != http.StatusTeapot || resp.Header.Get("X-Upstream") != "yes" {
 		t.Errorf("status %d X-Upstream %q, want 418 and the server's header", resp.StatusCode, resp.Header.Get("X-Upstream"))
 	}
@@ -217,7 +217,7 @@ func TestTransparency(t *testing.T) {
 
 	readsEventsOneByOne := func(name string, resp *http.Response) {
 		t.Helper()
-		defer resp.Body.Close()
+		defer func() { _ = resp.Body.Close() }()
 		br := bufio.NewReader(resp.Body)
 		first := readEvent(t, br)
 		if !strings.Contains(first, "notifications/") {
@@ -256,7 +256,7 @@ func TestTransparency(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	dresp.Body.Close()
+	_ = dresp.Body.Close()
 	if dresp.StatusCode != http.StatusNoContent {
 		t.Errorf("DELETE status %d, want the server's 204", dresp.StatusCode)
 	}

@@ -61,7 +61,7 @@ type harness struct {
 func newHarness(t *testing.T, rev revision, policyYAML string, mw func(http.Handler) http.Handler) *harness {
 	t.Helper()
 	h := &harness{rev: rev, srv: mcpserver.New()}
-	var handler http.Handler = h.srv.Handler(rev.stateless)
+	handler := h.srv.Handler(rev.stateless)
 	if mw != nil {
 		handler = mw(handler)
 	}
