@@ -1,0 +1,308 @@
+// Package redistest runs real redis-server processes for tests: a
+// standalone server that can be stopped and started again on the same
+// port, a Redis Cluster, and a Sentinel.
+//
+// When redis-server is not installed a test is skipped, except under CI
+// (CI=true), where a missing dependency fails it.
+package redistest
+
+import (
+	"bufio"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+)
+
+// startTimeout bounds how long a server may take to answer PING.
+const startTimeout = 10 * time.Second
+
+// Binary returns the path of a Redis program (redis-server, redis-cli), or
+// ends the test: Skip on a developer's machine, Fatal under CI.
+func Binary(tb testing.TB, name string) string {
+	tb.Helper()
+	path, err := exec.LookPath(name)
+	if err == nil {
+		return path
+	}
+	if os.Getenv("CI") == "true" {
+		tb.Fatalf("%s is required under CI: %v (apt-get install redis-server)", name, err)
+	}
+	tb.Skipf("%s not installed: %v", name, err)
+	return ""
+}
+
+// Server is one redis-server process on a loopback port. Stop and Start
+// bring the same server down and up again at the same Addr; it comes back
+// empty (nothing is persisted), as a Redis without persistence does after
+// a crash.
+type Server struct {
+	// Addr is host:port, stable across Stop and Start.
+	Addr string
+
+	tb   testing.TB
+	bin  string
+	args []string
+	log  string
+
+	mu     sync.Mutex
+	exited chan struct{} // nil while stopped; closed when the process ends
+	proc   *os.Process
+}
+
+// Start runs a standalone redis-server; extra arguments are passed to it
+// (e.g. "--maxmemory-policy", "noeviction"). It is stopped when the test
+// ends.
+func Start(tb testing.TB, extra ...string) *Server {
+	tb.Helper()
+	return launch(tb, "redis", func(dir string) []string {
+		return append(baseArgs(tb, dir), extra...)
+	})
+}
+
+func baseArgs(tb testing.TB, dir string) []string {
+	return []string{
+		"--port", strconv.Itoa(freePort(tb)),
+		"--bind", "127.0.0.1",
+		"--save", "",
+		"--appendonly", "no",
+		"--daemonize", "no",
+		"--dir", dir,
+		"--logfile", filepath.Join(dir, "redis.log"),
+	}
+}
+
+// launch starts a server whose arguments args makes, retrying with fresh
+// ports when one was taken between choosing and binding it.
+func launch(tb testing.TB, name string, args func(dir string) []string) *Server {
+	tb.Helper()
+	bin := Binary(tb, "redis-server")
+	var lastErr error
+	for range 5 {
+		dir := tb.TempDir()
+		s := &Server{tb: tb, bin: bin, args: args(dir), log: filepath.Join(dir, "redis.log")}
+		s.Addr = "127.0.0.1:" + argValue(s.args, "--port")
+		if err := s.start(); err != nil {
+			lastErr = err
+			continue
+		}
+		tb.Cleanup(s.Stop)
+		return s
+	}
+	tb.Fatalf("starting %s: %v", name, lastErr)
+	return nil
+}
+
+func argValue(args []string, name string) string {
+	for i, a := range args {
+		if a == name && i+1 < len(args) {
+			return args[i+1]
+		}
+	}
+	return ""
+}
+
+// freePort returns a loopback port that was free a moment ago.
+func freePort(tb testing.TB) int {
+	tb.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		tb.Fatalf("finding a free port: %v", err)
+	}
+	defer func() { _ = l.Close() }()
+	return l.Addr().(*net.TCPAddr).Port
+}
+
+// Start brings a stopped server up again on the same port.
+func (s *Server) Start() {
+	s.tb.Helper()
+	if err := s.start(); err != nil {
+		s.tb.Fatalf("restarting redis at %s: %v", s.Addr, err)
+	}
+}
+
+func (s *Server) start() error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.exited != nil {
+		return nil
+	}
+	cmd := exec.Command(s.bin, s.args...)
+	cmd.SysProcAttr = sysProcAttr()
+	if err := cmd.Start(); err != nil {
+		return fmt.Errorf("%s: %w", s.bin, err)
+	}
+	exited := make(chan struct{})
+	go func() {
+		_ = cmd.Wait()
+		close(exited)
+	}()
+	deadline := time.Now().Add(startTimeout)
+	for {
+		if _, err := Do(s.Addr, "PING"); err == nil {
+			break
+		}
+		select {
+		case <-exited:
+			return fmt.Errorf("redis-server exited at start: %s", s.logTail())
+		case <-time.After(20 * time.Millisecond):
+		}
+		if time.Now().After(deadline) {
+			_ = cmd.Process.Kill()
+			<-exited
+			return fmt.Errorf("no answer to PING within %v: %s", startTimeout, s.logTail())
+		}
+	}
+	s.proc, s.exited = cmd.Process, exited
+	return nil
+}
+
+// Stop kills the server, as a crash or a lost node would: clients see
+// their connections drop. Stopping a stopped server does nothing.
+func (s *Server) Stop() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.exited == nil {
+		return
+	}
+	_ = s.proc.Kill()
+	<-s.exited
+	s.proc, s.exited = nil, nil
+}
+
+func (s *Server) logTail() string {
+	b, err := os.ReadFile(s.log)
+	if err != nil {
+		return "(no log)"
+	}
+	lines := strings.Split(strings.TrimSpace(string(b)), "\n")
+	return strings.Join(lines[max(0, len(lines)-10):], "\n")
+}
+
+// Cluster is a Redis Cluster of masters without replicas.
+type Cluster struct {
+	// Addrs of every node; any of them is a seed for a cluster client.
+	Addrs []string
+	Nodes []*Server
+}
+
+// StartCluster runs a Redis Cluster of n masters (at least 3, as
+// redis-cli --cluster create requires) and waits until every node serves
+// all slots. It is stopped when the test ends.
+func StartCluster(tb testing.TB, n int) *Cluster {
+	tb.Helper()
+	if n < 3 {
+		tb.Fatalf("a Redis Cluster needs at least 3 masters, not %d", n)
+	}
+	cli := Binary(tb, "redis-cli")
+	c := &Cluster{}
+	for range n {
+		node := launch(tb, "cluster node", func(dir string) []string {
+			return append(baseArgs(tb, dir),
+				"--cluster-enabled", "yes",
+				"--cluster-config-file", filepath.Join(dir, "nodes.conf"),
+				// An explicit bus port: port+10000 may be taken or out of range.
+				"--cluster-port", strconv.Itoa(freePort(tb)),
+				"--cluster-node-timeout", "2000",
+			)
+		})
+		c.Nodes = append(c.Nodes, node)
+		c.Addrs = append(c.Addrs, node.Addr)
+	}
+	args := append([]string{"--cluster", "create"}, c.Addrs...)
+	args = append(args, "--cluster-replicas", "0", "--cluster-yes")
+	if out, err := exec.Command(cli, args...).CombinedOutput(); err != nil {
+		tb.Fatalf("redis-cli --cluster create: %v\n%s", err, out)
+	}
+	// create returns once the nodes agree on the slots; gossip may still
+	// be marking the cluster up on some of them.
+	deadline := time.Now().Add(startTimeout)
+	for _, addr := range c.Addrs {
+		for {
+			info, err := Do(addr, "CLUSTER", "INFO")
+			if err == nil && strings.Contains(info, "cluster_state:ok") &&
+				strings.Contains(info, "cluster_known_nodes:"+strconv.Itoa(n)+"\r") {
+				break
+			}
+			if time.Now().After(deadline) {
+				tb.Fatalf("cluster node %s not ready within %v: %v\n%s", addr, startTimeout, err, info)
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+	}
+	return c
+}
+
+// StartSentinel runs a Sentinel that monitors master under the given name;
+// its Addr is what a Sentinel client is given. It is stopped when the test
+// ends.
+func StartSentinel(tb testing.TB, master *Server, name string) *Server {
+	tb.Helper()
+	host, port, err := net.SplitHostPort(master.Addr)
+	if err != nil {
+		tb.Fatalf("master address %q: %v", master.Addr, err)
+	}
+	return launch(tb, "sentinel", func(dir string) []string {
+		// Sentinel rewrites its configuration file, so it gets its own.
+		conf := filepath.Join(dir, "sentinel.conf")
+		body := fmt.Sprintf("sentinel monitor %s %s %s 1\nsentinel down-after-milliseconds %s 1000\n", name, host, port, name)
+		if err := os.WriteFile(conf, []byte(body), 0o600); err != nil {
+			tb.Fatalf("writing %s: %v", conf, err)
+		}
+		return append([]string{conf, "--sentinel"}, baseArgs(tb, dir)...)
+	})
+}
+
+// Do sends one command to addr on a fresh connection and returns the
+// reply as text (a bulk string, a status or an integer). It needs no
+// client library, so the helpers work before any client is set up.
+func Do(addr string, args ...string) (string, error) {
+	conn, err := net.DialTimeout("tcp", addr, time.Second)
+	if err != nil {
+		return "", err
+	}
+	defer func() { _ = conn.Close() }()
+	_ = conn.SetDeadline(time.Now().Add(2 * time.Second))
+	var b strings.Builder
+	fmt.Fprintf(&b, "*%d\r\n", len(args))
+	for _, a := range args {
+		fmt.Fprintf(&b, "$%d\r\n%s\r\n", len(a), a)
+	}
+	if _, err := conn.Write([]byte(b.String())); err != nil {
+		return "", err
+	}
+	r := bufio.NewReader(conn)
+	line, err := r.ReadString('\n')
+	if err != nil {
+		return "", err
+	}
+	line = strings.TrimSuffix(line, "\r\n")
+	if line == "" {
+		return "", errors.New("empty reply")
+	}
+	switch line[0] {
+	case '+', ':':
+		return line[1:], nil
+	case '-':
+		return "", errors.New(line[1:])
+	case '$':
+		n, err := strconv.Atoi(line[1:])
+		if err != nil || n < 0 {
+			return "", fmt.Errorf("bulk reply %q", line)
+		}
+		buf := make([]byte, n+2)
+		if _, err := io.ReadFull(r, buf); err != nil {
+			return "", err
+		}
+		return string(buf[:n]), nil
+	}
+	return "", fmt.Errorf("unsupported reply %q", line)
+}

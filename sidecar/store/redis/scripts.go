@@ -1,0 +1,139 @@
+package redisstore
+
+import "github.com/redis/go-redis/v9"
+
+// A record is one HASH at prefix+key:
+//
+//	s  state: "p" pending, "c" completed
+//	fp fingerprint of the call
+//	o  owner token (kept once completed, see n)
+//	l  lease expiry, Redis server time in Unix milliseconds (pending only)
+//	r  the response (completed only)
+//	n  nonce of the Complete that stored r, so that a Complete that go-redis
+//	   re-sends after a lost reply is recognised as the same call
+//	w  set once someone waits, so that Complete and Release publish a
+//	   wake-up only when it can matter (PUBLISH is broadcast to every node
+//	   of a Redis Cluster)
+//
+// Every script touches exactly one key, KEYS[1], so each runs on the node
+// owning that key's slot and the layout works unchanged on Redis Cluster.
+// Durations arrive as integer millisecond strings and are passed through to
+// PEXPIRE as they are, because Redis formats Lua numbers as floats.
+//
+// Time is the server's (TIME), not the sidecars': sidecars with skewed
+// clocks still agree on whether a lease has run out.
+
+const nowMillis = `
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+`
+
+// Reply codes of reserveScript.
+const (
+	codeWon       = 1
+	codeCompleted = 2
+	codePending   = 3
+	codeAbandoned = 4
+	codeTookOver  = 5
+)
+
+// reserveScript: ARGV = fingerprint, owner, lease ms, keep ms (max of
+// retention and lease), takeover ("1" or "0"). Replies {code, fingerprint,
+// response}.
+var reserveScript = redis.NewScript(nowMillis + `
+local rec = redis.call('HMGET', KEYS[1], 's', 'fp', 'o', 'l', 'r')
+local now = now_ms()
+if not rec[1] then
+  redis.call('HSET', KEYS[1], 's', 'p', 'fp', ARGV[1], 'o', ARGV[2],
+    'l', string.format('%d', now + tonumber(ARGV[3])))
+  redis.call('PEXPIRE', KEYS[1], ARGV[4])
+  return {1}
+end
+local fp = rec[2] or ''
+if rec[1] == 'c' then
+  return {2, fp, rec[5] or ''}
+end
+-- Our own claim: this Reserve was re-sent after its reply was lost.
+if rec[3] == ARGV[2] then
+  return {1}
+end
+if (tonumber(rec[4]) or 0) > now then
+  return {3, fp}
+end
+if ARGV[5] ~= '1' then
+  return {4, fp}
+end
+redis.call('HSET', KEYS[1], 's', 'p', 'fp', ARGV[1], 'o', ARGV[2],
+  'l', string.format('%d', now + tonumber(ARGV[3])))
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
+return {5, fp}
+`)
+
+// renewScript: ARGV = owner, lease ms. Replies 1, or 0 if not the owner.
+var renewScript = redis.NewScript(nowMillis + `
+local rec = redis.call('HMGET', KEYS[1], 's', 'o')
+if rec[1] ~= 'p' or rec[2] ~= ARGV[1] then
+  return 0
+end
+local lease = tonumber(ARGV[2])
+redis.call('HSET', KEYS[1], 'l', string.format('%d', now_ms() + lease))
+if redis.call('PTTL', KEYS[1]) < lease then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 1
+`)
+
+// completeScript: ARGV = owner, response, ttl ms, nonce, wake channel.
+// Replies 1, or 0 if not the owner.
+var completeScript = redis.NewScript(`
+local rec = redis.call('HMGET', KEYS[1], 's', 'o', 'n')
+if rec[1] == 'c' and rec[2] == ARGV[1] and rec[3] == ARGV[4] then
+  return 1
+end
+if rec[1] ~= 'p' or rec[2] ~= ARGV[1] then
+  return 0
+end
+redis.call('HSET', KEYS[1], 's', 'c', 'r', ARGV[2], 'n', ARGV[4])
+redis.call('HDEL', KEYS[1], 'l')
+local waited = redis.call('HEXISTS', KEYS[1], 'w') == 1
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+if waited then
+  redis.call('PUBLISH', ARGV[5], KEYS[1])
+end
+return 1
+`)
+
+// releaseScript: ARGV = owner, wake channel. Replies 1, or 0 if not the
+// owner.
+var releaseScript = redis.NewScript(`
+local rec = redis.call('HMGET', KEYS[1], 's', 'o', 'w')
+if rec[1] ~= 'p' or rec[2] ~= ARGV[1] then
+  return 0
+end
+redis.call('DEL', KEYS[1])
+if rec[3] then
+  redis.call('PUBLISH', ARGV[2], KEYS[1])
+end
+return 1
+`)
+
+// probeScript replies the milliseconds left on a pending claim's lease, or
+// 0 if the key is not pending under a live lease. A live claim is marked as
+// waited on in the same step, so its Complete or Release cannot miss a
+// waiter that saw it pending.
+var probeScript = redis.NewScript(nowMillis + `
+local rec = redis.call('HMGET', KEYS[1], 's', 'l')
+if rec[1] ~= 'p' then
+  return 0
+end
+local left = (tonumber(rec[2]) or 0) - now_ms()
+if left <= 0 then
+  return 0
+end
+redis.call('HSET', KEYS[1], 'w', '1')
+return left
+`)
+
+var allScripts = []*redis.Script{reserveScript, renewScript, completeScript, releaseScript, probeScript}
