@@ -14,16 +14,19 @@ import (
 	"net/url"
 	"os"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"github.com/redis/go-redis/v9"
 
 	"github.com/idemcp/idemcp/sidecar/engine"
 	"github.com/idemcp/idemcp/sidecar/httpproxy"
 	"github.com/idemcp/idemcp/sidecar/policy"
 	"github.com/idemcp/idemcp/sidecar/store"
+	redisstore "github.com/idemcp/idemcp/sidecar/store/redis"
 )
 
 // Options are the sidecar's flags; each also reads IDEMCP_<FLAG> from the
@@ -36,8 +39,19 @@ type Options struct {
 	MaxBodyBytes     int64
 	MaxResponseBytes int64
 	MemoryMaxEntries int
-	ShutdownTimeout  time.Duration
-	LogLevel         string
+	// Store overrides the policy's store.type: "memory" or "redis".
+	Store string
+	// RedisAddrs, RedisSentinelMaster and RedisTLS override
+	// store.redis.external of the policy.
+	RedisAddrs          string
+	RedisSentinelMaster string
+	RedisTLS            bool
+	// RedisPasswordFile holds the Redis password; without it the password
+	// comes from IDEMCP_REDIS_PASSWORD (a secretKeyRef env var in a pod).
+	RedisPasswordFile string
+	RedisKeyPrefix    string
+	ShutdownTimeout   time.Duration
+	LogLevel          string
 }
 
 // Flags registers the options on fs, with defaults from the environment.
@@ -49,6 +63,12 @@ func (o *Options) Flags(fs *flag.FlagSet) {
 	fs.Int64Var(&o.MaxBodyBytes, "max-body-bytes", envInt("MAX_BODY_BYTES", httpproxy.DefaultMaxBodyBytes), "largest request body accepted")
 	fs.Int64Var(&o.MaxResponseBytes, "max-response-bytes", envInt("MAX_RESPONSE_BYTES", httpproxy.DefaultMaxResponseBytes), "largest response message of a deduplicated call that is relayed")
 	fs.IntVar(&o.MemoryMaxEntries, "memory-max-entries", int(envInt("MEMORY_MAX_ENTRIES", store.DefaultMaxEntries)), "most records the memory store holds")
+	fs.StringVar(&o.Store, "store", env("STORE", ""), "memory or redis (default: the policy's spec.store.type)")
+	fs.StringVar(&o.RedisAddrs, "redis-addr", env("REDIS_ADDR", ""), "Redis host:port, comma-separated for Cluster seeds or Sentinels (default: the policy's store.redis.external.addresses)")
+	fs.StringVar(&o.RedisSentinelMaster, "redis-sentinel-master", env("REDIS_SENTINEL_MASTER", ""), "master name when --redis-addr lists Sentinels")
+	fs.BoolVar(&o.RedisTLS, "redis-tls", envBool("REDIS_TLS"), "connect to Redis with TLS")
+	fs.StringVar(&o.RedisPasswordFile, "redis-password-file", env("REDIS_PASSWORD_FILE", ""), "file holding the Redis password (default: $IDEMCP_REDIS_PASSWORD)")
+	fs.StringVar(&o.RedisKeyPrefix, "redis-key-prefix", env("REDIS_KEY_PREFIX", ""), "prefix of every Redis key (default: idemcp:NAMESPACE/POLICY:)")
 	fs.DurationVar(&o.ShutdownTimeout, "shutdown-timeout", envDuration("SHUTDOWN_TIMEOUT", 30*time.Second), "how long to wait for calls in flight when stopping")
 	fs.StringVar(&o.LogLevel, "log-level", env("LOG_LEVEL", "info"), "debug, info, warn or error")
 }
@@ -67,6 +87,11 @@ func envInt(name string, def int64) int64 {
 		}
 	}
 	return def
+}
+
+func envBool(name string) bool {
+	b, _ := strconv.ParseBool(os.Getenv("IDEMCP_" + name))
+	return b
 }
 
 func envDuration(name string, def time.Duration) time.Duration {
@@ -126,7 +151,7 @@ func New(o Options) (*Sidecar, error) {
 			return nil, fmt.Errorf("--policy-file %s: %w", o.PolicyFile, err)
 		}
 	}
-	st, err := newStore(o, pol)
+	st, err := newStore(o, pol, log)
 	if err != nil {
 		return nil, err
 	}
@@ -149,13 +174,78 @@ func New(o Options) (*Sidecar, error) {
 	}, nil
 }
 
-func newStore(o Options, p *policy.Policy) (store.Store, error) {
-	switch p.Spec.Store.Type {
-	case "", "Memory":
-		return store.NewMemory(o.MemoryMaxEntries), nil
-	default:
-		return nil, fmt.Errorf("spec.store.type: %s is not supported by this sidecar yet; use Memory", p.Spec.Store.Type)
+func newStore(o Options, p *policy.Policy, log *slog.Logger) (store.Store, error) {
+	kind := strings.ToLower(o.Store)
+	if kind == "" {
+		kind = strings.ToLower(string(p.Spec.Store.Type))
 	}
+	switch kind {
+	case "memory":
+		return store.NewMemory(o.MemoryMaxEntries), nil
+	case "redis":
+		ro, err := redisOptions(o, p)
+		if err != nil {
+			return nil, err
+		}
+		redis.SetLogger(redisLogger{log})
+		return redisstore.New(ro)
+	default:
+		return nil, fmt.Errorf("--store: %q is not one of memory, redis", o.Store)
+	}
+}
+
+// redisOptions merges the flags over the policy's store.redis.external.
+// Secrets never come from the policy: the password is a file or an env var.
+func redisOptions(o Options, p *policy.Policy) (redisstore.Options, error) {
+	var ro redisstore.Options
+	if r := p.Spec.Store.Redis; r != nil && r.External != nil {
+		ro.Addrs = r.External.Addresses
+		ro.SentinelMaster = r.External.SentinelMaster
+		ro.TLS = r.External.TLS
+	}
+	if o.RedisAddrs != "" {
+		ro.Addrs = nil
+		for _, a := range strings.Split(o.RedisAddrs, ",") {
+			if a = strings.TrimSpace(a); a != "" {
+				ro.Addrs = append(ro.Addrs, a)
+			}
+		}
+	}
+	if len(ro.Addrs) == 0 {
+		return ro, errors.New("--redis-addr: the Redis store needs an address (host:port); set --redis-addr or the policy's store.redis.external.addresses")
+	}
+	if o.RedisSentinelMaster != "" {
+		ro.SentinelMaster = o.RedisSentinelMaster
+	}
+	ro.TLS = ro.TLS || o.RedisTLS
+	ro.Password = os.Getenv("IDEMCP_REDIS_PASSWORD")
+	if o.RedisPasswordFile != "" {
+		b, err := os.ReadFile(o.RedisPasswordFile)
+		if err != nil {
+			return ro, fmt.Errorf("--redis-password-file: %w", err)
+		}
+		ro.Password = strings.TrimRight(string(b), "\r\n")
+	}
+	ro.Prefix = o.RedisKeyPrefix
+	if ro.Prefix == "" {
+		ns, name := p.Namespace, p.Name
+		if ns == "" {
+			ns = "default"
+		}
+		if name == "" {
+			name = "default"
+		}
+		ro.Prefix = "idemcp:" + ns + "/" + name + ":"
+	}
+	return ro, nil
+}
+
+// redisLogger sends go-redis's own messages (reconnects, Sentinel
+// lookups) to the sidecar's log at debug level.
+type redisLogger struct{ log *slog.Logger }
+
+func (l redisLogger) Printf(ctx context.Context, format string, v ...any) {
+	l.log.DebugContext(ctx, "redis: "+fmt.Sprintf(format, v...))
 }
 
 // Engine returns the sidecar's engine.
@@ -169,13 +259,16 @@ func (s *Sidecar) AdminHandler() http.Handler {
 	mux := http.NewServeMux()
 	mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write([]byte("ok\n")) })
 	mux.HandleFunc("/readyz", func(w http.ResponseWriter, r *http.Request) {
-		ctx, cancel := context.WithTimeout(r.Context(), 2*time.Second)
+		// A store outage is not a reason to pull the pod from its Service:
+		// passthrough traffic still works, and onStoreUnavailable decides
+		// for deduplicated calls. The body says how the store is.
+		ctx, cancel := context.WithTimeout(r.Context(), time.Second)
 		defer cancel()
+		state := "reachable"
 		if err := s.store.Ping(ctx); err != nil {
-			http.Error(w, fmt.Sprintf("store unreachable: %v", err), http.StatusServiceUnavailable)
-			return
+			state = "unreachable (" + err.Error() + ")"
 		}
-		_, _ = fmt.Fprintf(w, "ok policy=%s\n", s.engine.Policy().Hash)
+		_, _ = fmt.Fprintf(w, "ok policy=%s store=%s\n", s.engine.Policy().Hash, state)
 	})
 	mux.Handle("/metrics", promhttp.HandlerFor(s.registry, promhttp.HandlerOpts{}))
 	return mux

@@ -12,29 +12,32 @@ import (
 )
 
 // JSON-RPC and idemcp error codes. idemcp's own codes sit in the
-// implementation-defined range -32000..-32019 the design reserves.
+// implementation-defined range -32000..-32019 the design reserves, from
+// -32010 up: the SDKs already give meaning to -32000..-32005 (the Go SDK
+// reads -32003 and -32004 as "connection closing", the MCP spec uses
+// -32002 for a missing resource).
 const (
 	CodeParseError     = -32700
 	CodeInvalidRequest = -32600
 	CodeInvalidParams  = -32602
 	CodeInternalError  = -32603
 
-	// CodeKeyConflict: an explicit key was reused with other arguments.
-	CodeKeyConflict = -32001
-	// CodeInFlight: the first call with this key is still running and the
-	// policy says Reject, or waitTimeout ran out.
-	CodeInFlight = -32002
-	// CodeOutcomeUnknown: the first call's owner died mid-call and the
+	// CodeKeyConflict means an explicit key was reused with other arguments.
+	CodeKeyConflict = -32010
+	// CodeInFlight means the first call with this key is still running and
+	// the policy says Reject, or waitTimeout ran out.
+	CodeInFlight = -32011
+	// CodeOutcomeUnknown means the first call's owner died mid-call and the
 	// policy says onAbandoned: Error.
-	CodeOutcomeUnknown = -32003
-	// CodeStoreUnavailable: the store cannot be reached and the policy
+	CodeOutcomeUnknown = -32012
+	// CodeStoreUnavailable means the store cannot be reached and the policy
 	// says FailClosed; nothing ran.
-	CodeStoreUnavailable = -32004
-	// CodeResultNotStored: the first call completed but its result was over
-	// maxResultBytes, so there is nothing to replay; it is not run again.
-	CodeResultNotStored = -32005
-	// CodeUpstreamUnavailable: the MCP server could not be reached.
-	CodeUpstreamUnavailable = -32006
+	CodeStoreUnavailable = -32013
+	// CodeResultNotStored means the first call completed but its result was
+	// over maxResultBytes, so there is nothing to replay; it is not run again.
+	CodeResultNotStored = -32014
+	// CodeUpstreamUnavailable means the MCP server could not be reached.
+	CodeUpstreamUnavailable = -32015
 )
 
 // Message is the envelope of one JSON-RPC message. Params, Result and Error

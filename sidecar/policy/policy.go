@@ -43,6 +43,11 @@ const maxCachedTools = 4096
 // Policy is a compiled, immutable IdempotencyPolicy spec. A sidecar swaps
 // whole Policies atomically when the policy changes.
 type Policy struct {
+	// Name and Namespace of the IdempotencyPolicy, when known; they scope
+	// the keys of a shared store.
+	Name      string
+	Namespace string
+
 	Spec               v1alpha1.IdempotencyPolicySpec // with defaults applied
 	TTL                time.Duration
 	WaitTimeout        time.Duration
@@ -145,7 +150,12 @@ func Parse(data []byte) (*Policy, error) {
 	if obj.APIVersion != "" && obj.APIVersion != v1alpha1.GroupVersion.String() {
 		return nil, fmt.Errorf("apiVersion: %q is not %s", obj.APIVersion, v1alpha1.GroupVersion)
 	}
-	return Compile(obj.Spec)
+	p, err := Compile(obj.Spec)
+	if err != nil {
+		return nil, err
+	}
+	p.Name, p.Namespace = obj.Name, obj.Namespace
+	return p, nil
 }
 
 // Compile applies defaults to a spec, validates it and compiles its rules.

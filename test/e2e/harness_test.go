@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"maps"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -178,7 +179,8 @@ func (k *killableTransport) kill() {
 }
 
 func call(ctx context.Context, cs *mcp.ClientSession, tool string, args any, meta mcp.Meta) (*mcp.CallToolResult, error) {
-	return cs.CallTool(ctx, &mcp.CallToolParams{Name: tool, Arguments: args, Meta: meta})
+	// The SDK writes its own members into _meta: each call gets a copy.
+	return cs.CallTool(ctx, &mcp.CallToolParams{Name: tool, Arguments: args, Meta: maps.Clone(meta)})
 }
 
 func mustCall(t *testing.T, cs *mcp.ClientSession, tool string, args any, meta mcp.Meta) *mcp.CallToolResult {
