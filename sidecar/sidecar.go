@@ -38,9 +38,17 @@ type Options struct {
 	AdminListen      string
 	MaxBodyBytes     int64
 	MaxResponseBytes int64
+	Store            StoreOptions
+	ShutdownTimeout  time.Duration
+	LogLevel         string
+}
+
+// StoreOptions choose and reach the store; `idemcp sidecar` and
+// `idemcp wrap` share them.
+type StoreOptions struct {
+	// Kind overrides the policy's store.type: "memory" or "redis".
+	Kind             string
 	MemoryMaxEntries int
-	// Store overrides the policy's store.type: "memory" or "redis".
-	Store string
 	// RedisAddrs, RedisSentinelMaster and RedisTLS override
 	// store.redis.external of the policy.
 	RedisAddrs          string
@@ -50,8 +58,17 @@ type Options struct {
 	// comes from IDEMCP_REDIS_PASSWORD (a secretKeyRef env var in a pod).
 	RedisPasswordFile string
 	RedisKeyPrefix    string
-	ShutdownTimeout   time.Duration
-	LogLevel          string
+}
+
+// Flags registers the store flags on fs, with defaults from the environment.
+func (o *StoreOptions) Flags(fs *flag.FlagSet) {
+	fs.StringVar(&o.Kind, "store", env("STORE", ""), "memory or redis (default: the policy's spec.store.type)")
+	fs.IntVar(&o.MemoryMaxEntries, "memory-max-entries", int(envInt("MEMORY_MAX_ENTRIES", store.DefaultMaxEntries)), "most records the memory store holds")
+	fs.StringVar(&o.RedisAddrs, "redis-addr", env("REDIS_ADDR", ""), "Redis host:port, comma-separated for Cluster seeds or Sentinels (default: the policy's store.redis.external.addresses)")
+	fs.StringVar(&o.RedisSentinelMaster, "redis-sentinel-master", env("REDIS_SENTINEL_MASTER", ""), "master name when --redis-addr lists Sentinels")
+	fs.BoolVar(&o.RedisTLS, "redis-tls", envBool("REDIS_TLS"), "connect to Redis with TLS")
+	fs.StringVar(&o.RedisPasswordFile, "redis-password-file", env("REDIS_PASSWORD_FILE", ""), "file holding the Redis password (default: $IDEMCP_REDIS_PASSWORD)")
+	fs.StringVar(&o.RedisKeyPrefix, "redis-key-prefix", env("REDIS_KEY_PREFIX", ""), "prefix of every Redis key (default: idemcp:NAMESPACE/POLICY:)")
 }
 
 // Flags registers the options on fs, with defaults from the environment.
@@ -62,13 +79,7 @@ func (o *Options) Flags(fs *flag.FlagSet) {
 	fs.StringVar(&o.AdminListen, "admin-listen", env("ADMIN_LISTEN", ":9091"), "address of /healthz, /readyz and /metrics (empty: off)")
 	fs.Int64Var(&o.MaxBodyBytes, "max-body-bytes", envInt("MAX_BODY_BYTES", httpproxy.DefaultMaxBodyBytes), "largest request body accepted")
 	fs.Int64Var(&o.MaxResponseBytes, "max-response-bytes", envInt("MAX_RESPONSE_BYTES", httpproxy.DefaultMaxResponseBytes), "largest response message of a deduplicated call that is relayed")
-	fs.IntVar(&o.MemoryMaxEntries, "memory-max-entries", int(envInt("MEMORY_MAX_ENTRIES", store.DefaultMaxEntries)), "most records the memory store holds")
-	fs.StringVar(&o.Store, "store", env("STORE", ""), "memory or redis (default: the policy's spec.store.type)")
-	fs.StringVar(&o.RedisAddrs, "redis-addr", env("REDIS_ADDR", ""), "Redis host:port, comma-separated for Cluster seeds or Sentinels (default: the policy's store.redis.external.addresses)")
-	fs.StringVar(&o.RedisSentinelMaster, "redis-sentinel-master", env("REDIS_SENTINEL_MASTER", ""), "master name when --redis-addr lists Sentinels")
-	fs.BoolVar(&o.RedisTLS, "redis-tls", envBool("REDIS_TLS"), "connect to Redis with TLS")
-	fs.StringVar(&o.RedisPasswordFile, "redis-password-file", env("REDIS_PASSWORD_FILE", ""), "file holding the Redis password (default: $IDEMCP_REDIS_PASSWORD)")
-	fs.StringVar(&o.RedisKeyPrefix, "redis-key-prefix", env("REDIS_KEY_PREFIX", ""), "prefix of every Redis key (default: idemcp:NAMESPACE/POLICY:)")
+	o.Store.Flags(fs)
 	fs.DurationVar(&o.ShutdownTimeout, "shutdown-timeout", envDuration("SHUTDOWN_TIMEOUT", 30*time.Second), "how long to wait for calls in flight when stopping")
 	fs.StringVar(&o.LogLevel, "log-level", env("LOG_LEVEL", "info"), "debug, info, warn or error")
 }
@@ -151,7 +162,7 @@ func New(o Options) (*Sidecar, error) {
 			return nil, fmt.Errorf("--policy-file %s: %w", o.PolicyFile, err)
 		}
 	}
-	st, err := newStore(o, pol, log)
+	st, err := OpenStore(o.Store, pol, log)
 	if err != nil {
 		return nil, err
 	}
@@ -174,8 +185,9 @@ func New(o Options) (*Sidecar, error) {
 	}, nil
 }
 
-func newStore(o Options, p *policy.Policy, log *slog.Logger) (store.Store, error) {
-	kind := strings.ToLower(o.Store)
+// OpenStore opens the store the options and the policy ask for.
+func OpenStore(o StoreOptions, p *policy.Policy, log *slog.Logger) (store.Store, error) {
+	kind := strings.ToLower(o.Kind)
 	if kind == "" {
 		kind = strings.ToLower(string(p.Spec.Store.Type))
 	}
@@ -190,13 +202,13 @@ func newStore(o Options, p *policy.Policy, log *slog.Logger) (store.Store, error
 		redis.SetLogger(redisLogger{log})
 		return redisstore.New(ro)
 	default:
-		return nil, fmt.Errorf("--store: %q is not one of memory, redis", o.Store)
+		return nil, fmt.Errorf("--store: %q is not one of memory, redis", o.Kind)
 	}
 }
 
 // redisOptions merges the flags over the policy's store.redis.external.
 // Secrets never come from the policy: the password is a file or an env var.
-func redisOptions(o Options, p *policy.Policy) (redisstore.Options, error) {
+func redisOptions(o StoreOptions, p *policy.Policy) (redisstore.Options, error) {
 	var ro redisstore.Options
 	if r := p.Spec.Store.Redis; r != nil && r.External != nil {
 		ro.Addrs = r.External.Addresses

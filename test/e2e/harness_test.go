@@ -82,7 +82,7 @@ func newHarness(t *testing.T, rev revision, policyYAML string, mw func(http.Hand
 	h.upstream = httptest.NewServer(handler)
 	t.Cleanup(h.upstream.Close)
 
-	opts := sidecar.Options{Upstream: h.upstream.URL, LogLevel: "error", MemoryMaxEntries: 1000}
+	opts := sidecar.Options{Upstream: h.upstream.URL, LogLevel: "error", Store: sidecar.StoreOptions{MemoryMaxEntries: 1000}}
 	if policyYAML != "" {
 		opts.PolicyFile = filepath.Join(t.TempDir(), "policy.yaml")
 		if err := os.WriteFile(opts.PolicyFile, []byte(policyYAML), 0o600); err != nil {

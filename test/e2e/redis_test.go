@@ -45,12 +45,10 @@ func newFleet(t *testing.T, rev revision, policyYAML string, redisAddrs []string
 	prefix := fmt.Sprintf("idemcp:test/%s-%d:", strings.ReplaceAll(t.Name(), "/", "-"), time.Now().UnixNano())
 	for range n {
 		sc, err := sidecar.New(sidecar.Options{
-			Upstream:       f.upstream.URL,
-			PolicyFile:     writePolicy(t, policyYAML),
-			Store:          "redis",
-			RedisAddrs:     strings.Join(redisAddrs, ","),
-			RedisKeyPrefix: prefix,
-			LogLevel:       "error",
+			Upstream:   f.upstream.URL,
+			PolicyFile: writePolicy(t, policyYAML),
+			Store:      sidecar.StoreOptions{Kind: "redis", RedisAddrs: strings.Join(redisAddrs, ","), RedisKeyPrefix: prefix},
+			LogLevel:   "error",
 		})
 		if err != nil {
 			t.Fatalf("sidecar.New: %v", err)
@@ -251,7 +249,7 @@ func TestSidecarKilledMidCall(t *testing.T) {
 			f := newFleet(t, revisions[0], policy, []string{srv.Addr}, 1)
 			prefix := "idemcp:killed/" + onAbandoned + strconv.FormatInt(time.Now().UnixNano(), 36) + ":"
 			// The survivor shares the dead sidecar's keys.
-			sc, err := sidecar.New(sidecar.Options{Upstream: f.upstream.URL, PolicyFile: writePolicy(t, policy), Store: "redis", RedisAddrs: srv.Addr, RedisKeyPrefix: prefix, LogLevel: "error"})
+			sc, err := sidecar.New(sidecar.Options{Upstream: f.upstream.URL, PolicyFile: writePolicy(t, policy), Store: sidecar.StoreOptions{Kind: "redis", RedisAddrs: srv.Addr, RedisKeyPrefix: prefix}, LogLevel: "error"})
 			if err != nil {
 				t.Fatal(err)
 			}
