@@ -35,8 +35,9 @@ lint: golangci-lint ## Run golangci-lint with .golangci.yml.
 	$(GOLANGCI_LINT) run ./...
 
 .PHONY: manifests
-manifests: controller-gen ## Write the CRD and RBAC from the api markers.
-	$(CONTROLLER_GEN) crd paths="./api/..." output:crd:artifacts:config=config/crd/bases
+manifests: controller-gen ## Write the CRD and the manager's RBAC from the code markers.
+	$(CONTROLLER_GEN) rbac:roleName=manager-role crd paths="./api/..." paths="./controllers/..." \
+		output:crd:artifacts:config=config/crd/bases output:rbac:artifacts:config=config/rbac
 
 .PHONY: generate
 generate: controller-gen ## Write zz_generated.deepcopy.go.
@@ -51,9 +52,13 @@ test-deps: ## Install what the tests need that Go does not fetch (npm packages o
 	@if [ -f $(TS_INTEROP)/package-lock.json ] && [ ! -d $(TS_INTEROP)/node_modules ]; then \
 		npm ci --prefix $(TS_INTEROP) --no-audit --no-fund; fi
 
+.PHONY: envtest
+envtest: ## Build (once, cached outside the checkout) the kube-apiserver, etcd and kubectl the controller tests run.
+	@hack/setup-envtest.sh >/dev/null
+
 .PHONY: test
-test: test-deps vet ## Run every test: unit, store contract, and end to end against real MCP servers.
-	$(GO) test -race -count=1 ./...
+test: test-deps vet ## Run every test: unit, store contract, envtest, and end to end against real MCP servers.
+	KUBEBUILDER_ASSETS="$$(hack/setup-envtest.sh)" $(GO) test -race -count=1 ./...
 
 .PHONY: bench
 bench: ## Run the Go benchmarks of the hot path.

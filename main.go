@@ -12,16 +12,19 @@ import (
 	"os/signal"
 	"syscall"
 
+	"github.com/idemcp/idemcp/controllers"
 	"github.com/idemcp/idemcp/sidecar"
 )
 
 var commands = map[string]func(ctx context.Context, args []string) error{
 	"sidecar": sidecar.Main,
+	"manager": controllers.ManagerMain,
 }
 
 const usage = `idemcp makes MCP tool calls exactly-once.
 
 Usage:
+  idemcp manager [--leader-elect] [--redis-image IMAGE]
   idemcp sidecar --listen ADDR --upstream URL [--policy-file FILE] [--admin-listen ADDR]
   idemcp help
 

@@ -79,12 +79,10 @@ const (
 )
 
 // IdempotencyPolicySpec is what a sidecar enforces.
-// +kubebuilder:validation:XValidation:rule="self.store.type != 'Redis' || (has(self.store.redis) && (has(self.store.redis.managed) != has(self.store.redis.external)))",message="spec.store: type Redis needs exactly one of store.redis.managed or store.redis.external"
-// +kubebuilder:validation:XValidation:rule="self.store.type != 'Memory' || !has(self.store.redis)",message="spec.store: type Memory takes no store.redis; set type: Redis or remove store.redis"
 type IdempotencyPolicySpec struct {
 	// TTL is how long a completed result is replayed.
 	// +kubebuilder:default="24h"
-	// +kubebuilder:validation:XValidation:rule="duration(self) >= duration('1s') && duration(self) <= duration('720h')",message="spec.ttl must be between 1s and 720h (30d)"
+	// +kubebuilder:validation:XValidation:rule="duration(self) >= duration('1s') && duration(self) <= duration('720h')",message="ttl must be between 1s and 720h (30d)"
 	// +optional
 	TTL *metav1.Duration `json:"ttl,omitempty"`
 
@@ -117,12 +115,14 @@ type IdempotencyPolicySpec struct {
 
 	// WaitTimeout is how long a duplicate waits before it gets a conflict error.
 	// +kubebuilder:default="30s"
+	// +kubebuilder:validation:XValidation:rule="duration(self) >= duration('0s') && duration(self) <= duration('1h')",message="waitTimeout must be between 0s and 1h"
 	// +optional
 	WaitTimeout *metav1.Duration `json:"waitTimeout,omitempty"`
 
 	// LeaseDuration is how long a claim lives without renewal; it is renewed
 	// while the upstream call runs.
 	// +kubebuilder:default="30s"
+	// +kubebuilder:validation:XValidation:rule="duration(self) >= duration('1s') && duration(self) <= duration('1h')",message="leaseDuration must be between 1s and 1h"
 	// +optional
 	LeaseDuration *metav1.Duration `json:"leaseDuration,omitempty"`
 
@@ -133,6 +133,7 @@ type IdempotencyPolicySpec struct {
 
 	// MaxResultBytes is the largest response that is stored for replay.
 	// +kubebuilder:default="1Mi"
+	// +kubebuilder:validation:XValidation:rule="quantity(self).isGreaterThan(quantity('0')) && quantity(self).isLessThan(quantity('65Mi'))",message="maxResultBytes must be more than 0 and at most 64Mi, such as 1Mi"
 	// +optional
 	MaxResultBytes *resource.Quantity `json:"maxResultBytes,omitempty"`
 
@@ -142,13 +143,17 @@ type IdempotencyPolicySpec struct {
 	DefaultMode ToolMode `json:"defaultMode,omitempty"`
 
 	// Tools are per-tool rules; the first rule whose name matches wins.
+	// Names are unique.
 	// +kubebuilder:validation:MaxItems=256
-	// +kubebuilder:validation:XValidation:rule="self.all(t, self.exists_one(u, u.name == t.name))",message="spec.tools: each rule name must be unique"
+	// +listType=map
+	// +listMapKey=name
 	// +optional
 	Tools []ToolRule `json:"tools,omitempty"`
 }
 
 // StoreSpec says where claims and results are kept.
+// +kubebuilder:validation:XValidation:rule="self.type != 'Redis' || (has(self.redis) && (has(self.redis.managed) != has(self.redis.external)))",message="type Redis needs exactly one of redis.managed or redis.external"
+// +kubebuilder:validation:XValidation:rule="self.type != 'Memory' || !has(self.redis)",message="type Memory takes no redis; set type: Redis or remove redis"
 type StoreSpec struct {
 	// Type is Memory (per sidecar) or Redis (shared).
 	// +kubebuilder:default=Memory
@@ -173,7 +178,8 @@ type RedisStoreSpec struct {
 
 // ManagedRedis is a Redis the controller provisions and owns.
 type ManagedRedis struct {
-	// Image is the Redis container image.
+	// Image is the Redis container image (default: the manager's --redis-image).
+	// +kubebuilder:validation:MaxLength=512
 	// +optional
 	Image string `json:"image,omitempty"`
 
@@ -191,7 +197,9 @@ type ExternalRedis struct {
 	// Addresses are host:port pairs: one for standalone, several for Cluster
 	// or for the Sentinels.
 	// +kubebuilder:validation:MinItems=1
-	// +kubebuilder:validation:items:MinLength=1
+	// +kubebuilder:validation:MaxItems=32
+	// +kubebuilder:validation:items:MaxLength=260
+	// +kubebuilder:validation:items:Pattern=`^([^:/ \[\]]+|\[[0-9a-fA-F:.]+\]):[0-9]{1,5}$`
 	Addresses []string `json:"addresses"`
 
 	// PasswordSecretRef names the Secret key that holds the Redis password.
@@ -222,6 +230,7 @@ type ToolRule struct {
 	// Name is a tool name or a glob (`*` any run of characters, `?` one).
 	// +kubebuilder:validation:MinLength=1
 	// +kubebuilder:validation:MaxLength=256
+	// +kubebuilder:validation:Pattern=`^[A-Za-z0-9_./*?-]+$`
 	Name string `json:"name"`
 
 	// Mode for matching tools; Auto uses the tool's readOnlyHint.
@@ -230,6 +239,7 @@ type ToolRule struct {
 	Mode ToolMode `json:"mode,omitempty"`
 
 	// TTL overrides spec.ttl for matching tools.
+	// +kubebuilder:validation:XValidation:rule="duration(self) >= duration('1s') && duration(self) <= duration('720h')",message="ttl must be between 1s and 720h (30d)"
 	// +optional
 	TTL *metav1.Duration `json:"ttl,omitempty"`
 
@@ -247,6 +257,8 @@ type ToolRule struct {
 
 	// IgnoreArguments are JSON pointers (RFC 6901) into the arguments that
 	// are left out of the fingerprint, such as a timestamp.
+	// +kubebuilder:validation:MaxItems=64
+	// +kubebuilder:validation:items:MaxLength=512
 	// +kubebuilder:validation:items:Pattern=`^(/([^~/]|~[01])*)+$`
 	// +optional
 	IgnoreArguments []string `json:"ignoreArguments,omitempty"`
@@ -300,6 +312,7 @@ type SidecarsStatus struct {
 // +kubebuilder:resource:shortName=idpol
 // +kubebuilder:printcolumn:name="Store",type=string,JSONPath=`.spec.store.type`
 // +kubebuilder:printcolumn:name="TTL",type=string,JSONPath=`.spec.ttl`
+// +kubebuilder:printcolumn:name="Endpoint",type=string,JSONPath=`.status.store.endpoint`,priority=1
 // +kubebuilder:printcolumn:name="Ready",type=string,JSONPath=`.status.conditions[?(@.type=="Ready")].status`
 // +kubebuilder:printcolumn:name="Age",type=date,JSONPath=`.metadata.creationTimestamp`
 type IdempotencyPolicy struct {

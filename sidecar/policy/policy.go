@@ -9,6 +9,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"net"
 	"net/http"
 	"os"
 	"regexp"
@@ -279,6 +280,8 @@ func applyDefaults(s *v1alpha1.IdempotencyPolicySpec) {
 	}
 }
 
+var toolName = regexp.MustCompile(`^[A-Za-z0-9_./*?-]+$`)
+
 var headerName = regexp.MustCompile(`^[A-Za-z0-9!#$%&'*+.^_|~-]+$`)
 
 func validate(s *v1alpha1.IdempotencyPolicySpec) error {
@@ -310,8 +313,15 @@ func validate(s *v1alpha1.IdempotencyPolicySpec) error {
 		r := s.Store.Redis
 		if r == nil || (r.Managed == nil) == (r.External == nil) {
 			bad("store.redis", "type Redis needs exactly one of store.redis.managed or store.redis.external")
-		} else if r.External != nil && len(r.External.Addresses) == 0 {
-			bad("store.redis.external.addresses", "needs at least one host:port")
+		} else if r.External != nil {
+			if len(r.External.Addresses) == 0 {
+				bad("store.redis.external.addresses", "needs at least one host:port")
+			}
+			for i, a := range r.External.Addresses {
+				if _, port, err := net.SplitHostPort(a); err != nil || port == "" {
+					bad(fmt.Sprintf("store.redis.external.addresses[%d]", i), "%q is not host:port, such as redis.shop.svc:6379", a)
+				}
+			}
 		}
 	}
 	oneOf("onStoreUnavailable", string(s.OnStoreUnavailable), "FailClosed", "FailOpen")
@@ -320,15 +330,15 @@ func validate(s *v1alpha1.IdempotencyPolicySpec) error {
 		bad("principalHeader", "%q is not an HTTP header name", s.PrincipalHeader)
 	}
 	oneOf("inFlight", string(s.InFlight), "Wait", "Reject")
-	if s.WaitTimeout.Duration < 0 {
-		bad("waitTimeout", "%s is negative", s.WaitTimeout.Duration)
+	if d := s.WaitTimeout.Duration; d < 0 || d > time.Hour {
+		bad("waitTimeout", "%s is outside 0s..1h", d)
 	}
-	if s.LeaseDuration.Duration < time.Second {
-		bad("leaseDuration", "%s is shorter than 1s", s.LeaseDuration.Duration)
+	if d := s.LeaseDuration.Duration; d < time.Second || d > time.Hour {
+		bad("leaseDuration", "%s is outside 1s..1h", d)
 	}
 	oneOf("onAbandoned", string(s.OnAbandoned), "Retry", "Error")
-	if s.MaxResultBytes.Sign() <= 0 {
-		bad("maxResultBytes", "%s must be positive, such as 1Mi", s.MaxResultBytes.String())
+	if s.MaxResultBytes.Sign() <= 0 || s.MaxResultBytes.Cmp(resource.MustParse("64Mi")) > 0 {
+		bad("maxResultBytes", "%s must be more than 0 and at most 64Mi, such as 1Mi", s.MaxResultBytes.String())
 	}
 	oneOf("defaultMode", string(s.DefaultMode), "Auto", "Deduplicate", "Passthrough")
 	seen := map[string]int{}
@@ -336,6 +346,8 @@ func validate(s *v1alpha1.IdempotencyPolicySpec) error {
 		f := fmt.Sprintf("tools[%d]", i)
 		if t.Name == "" {
 			bad(f+".name", "is empty; give a tool name or a glob such as charge_*")
+		} else if !toolName.MatchString(t.Name) {
+			bad(f+".name", "%q must be a tool name or a glob of letters, digits, _ - . / and the wildcards * and ?", t.Name)
 		} else if j, dup := seen[t.Name]; dup {
 			bad(f+".name", "%q is already the name of tools[%d]; rule names must be unique", t.Name, j)
 		}
