@@ -5,6 +5,7 @@ COPY go.mod go.sum ./
 RUN go mod download
 COPY main.go ./
 COPY api/ api/
+COPY controllers/ controllers/
 COPY sidecar/ sidecar/
 ARG TARGETOS=linux
 ARG TARGETARCH=amd64

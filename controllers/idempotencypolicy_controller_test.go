@@ -324,7 +324,7 @@ func TestManagedRedisWithStorageUsesAStatefulSet(t *testing.T) {
 			return err
 		}
 		if err := k8s.Get(ctx, key, &appsv1.Deployment{}); !apierrors.IsNotFound(err) {
-			return fmt.Errorf("deployment still there: %v", err)
+			return fmt.Errorf("deployment still there: %w", err)
 		}
 		return nil
 	})
