@@ -67,6 +67,7 @@ type Proxy struct {
 	log     *slog.Logger
 	cancels *idSet
 	flights *flights
+	legacy  legacyHub // legacy HTTP+SSE sessions (legacy.go)
 }
 
 // NewTransport returns the transport the proxy uses by default: many idle
@@ -131,6 +132,9 @@ const toolsListKey ctxKey = 0
 
 // ServeHTTP implements http.Handler.
 func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	if p.serveLegacy(w, r) {
+		return
+	}
 	if r.Method == http.MethodDelete {
 		p.serveDelete(w, r)
 		return

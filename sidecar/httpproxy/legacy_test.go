@@ -1,0 +1,313 @@
+package httpproxy
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"net/url"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/idemcp/idemcp/sidecar/engine"
+	"github.com/idemcp/idemcp/sidecar/mcpmsg"
+	"github.com/idemcp/idemcp/sidecar/store"
+)
+
+func TestLegacyClientEndpoint(t *testing.T) {
+	in := httptest.NewRequest(http.MethodGet, "http://sidecar:8081/sse", nil)
+	for _, tc := range []struct {
+		upstream, data string
+		want, key      string
+		ours           bool
+	}{
+		{"http://127.0.0.1:9000", "/message?sessionId=abc", "/message?sessionId=abc", "/message?sessionId=abc", true},
+		{"http://127.0.0.1:9000", "/sse?sessionid=XY", "/sse?sessionid=XY", "/sse?sessionid=XY", true},
+		{"http://127.0.0.1:9000", "message?sessionId=abc", "message?sessionId=abc", "/message?sessionId=abc", true},
+		{"http://127.0.0.1:9000", "http://127.0.0.1:9000/message?sessionId=abc", "/message?sessionId=abc", "/message?sessionId=abc", true},
+		{"http://127.0.0.1:9000", "http://sidecar:8081/message?s=1", "http://sidecar:8081/message?s=1", "/message?s=1", true},
+		{"http://127.0.0.1:9000", "https://elsewhere.example/message?s=1", "https://elsewhere.example/message?s=1", "", false},
+		{"http://127.0.0.1:9000/base", "/base/msg?sid=1", "/msg?sid=1", "/msg?sid=1", true},
+		{"http://127.0.0.1:9000/base/", "http://127.0.0.1:9000/base/msg?sid=1", "/msg?sid=1", "/msg?sid=1", true},
+		{"http://127.0.0.1:9000/base", "/basement/msg", "/basement/msg", "/basement/msg", true},
+		{"http://127.0.0.1:9000", "/messages/a%2Fb", "/messages/a%2Fb", "/messages/a%2Fb", true},
+	} {
+		up, _ := url.Parse(tc.upstream)
+		p := New(Options{Upstream: up, Engine: engine.New(engine.Options{Store: store.NewMemory(10)})})
+		got, key, ours := p.clientEndpoint(tc.data, in)
+		if got != tc.want || key != tc.key || ours != tc.ours {
+			t.Errorf("upstream %s, endpoint %q: got (%q, %q, %v), want (%q, %q, %v)",
+				tc.upstream, tc.data, got, key, ours, tc.want, tc.key, tc.ours)
+		}
+	}
+}
+
+func TestLegacyEventFields(t *testing.T) {
+	raw := []byte("id: 7\r\nevent: endpoint\r\ndata: http://x/old\r\n\r\n")
+	if n := eventName(raw); n != "endpoint" {
+		t.Errorf("eventName = %q", n)
+	}
+	if got := string(replaceData(raw, "/new")); got != "id: 7\r\nevent: endpoint\r\ndata: /new\n\r\n" {
+		t.Errorf("replaceData = %q", got)
+	}
+	if n := eventName([]byte("data: {}\n\n")); n != "" {
+		t.Errorf("eventName of an unnamed event = %q", n)
+	}
+}
+
+// fakeLegacy is a hand-written 2024-11-05 server mounted under /base that
+// announces its endpoint as an absolute URL to itself, as some servers do.
+type fakeLegacy struct {
+	url     string // set once listening
+	mu      sync.Mutex
+	streams map[string]chan []byte
+	calls   atomic.Int64
+	cancels atomic.Int64
+	gets    atomic.Int64
+}
+
+func (f *fakeLegacy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	switch {
+	case r.Method == http.MethodGet && r.URL.Path == "/base/plain":
+		// Not a legacy stream: relayed byte for byte.
+		w.Header().Set("Content-Type", "text/event-stream")
+		_, _ = io.WriteString(w, "id: 1\ndata: one\n\n: a comment\n\n\n\ndata: two\ndata: lines\n\n")
+	case r.Method == http.MethodGet && r.URL.Path == "/base/sse":
+		f.gets.Add(1)
+		defer f.gets.Add(-1)
+		sid := fmt.Sprint(time.Now().UnixNano())
+		ch := make(chan []byte, 16)
+		f.mu.Lock()
+		f.streams[sid] = ch
+		f.mu.Unlock()
+		w.Header().Set("Content-Type", "text/event-stream")
+		_, _ = fmt.Fprintf(w, "event: endpoint\ndata: %s/base/msg?sid=%s\n\n", f.url, sid)
+		w.(http.Flusher).Flush()
+		for {
+			select {
+			case <-r.Context().Done():
+				return
+			case b := <-ch:
+				_, _ = w.Write(mcpmsg.AppendEvent(nil, b))
+				w.(http.Flusher).Flush()
+			}
+		}
+	case r.Method == http.MethodPost && r.URL.Path == "/base/msg":
+		f.mu.Lock()
+		ch := f.streams[r.URL.Query().Get("sid")]
+		f.mu.Unlock()
+		if ch == nil {
+			http.Error(w, "unknown session", http.StatusNotFound)
+			return
+		}
+		body, _ := io.ReadAll(r.Body)
+		var m struct {
+			ID     json.RawMessage `json:"id"`
+			Method string          `json:"method"`
+			Params struct {
+				Name      string `json:"name"`
+				Arguments struct {
+					DelayMS int `json:"delayMs"`
+				} `json:"arguments"`
+			} `json:"params"`
+		}
+		_ = json.Unmarshal(body, &m)
+		switch {
+		case m.Method == "notifications/cancelled":
+			f.cancels.Add(1)
+		case m.Method == "tools/call" && m.Params.Name == "refused":
+			http.Error(w, "no such tool here", http.StatusBadRequest)
+			return
+		case m.Method == "tools/call":
+			n := f.calls.Add(1)
+			go func() {
+				time.Sleep(time.Duration(m.Params.Arguments.DelayMS) * time.Millisecond)
+				ch <- fmt.Appendf(nil, `{"jsonrpc":"2.0","id":%s,"result":{"content":[{"type":"text","text":"run %d"}]}}`, m.ID, n)
+			}()
+		}
+		w.WriteHeader(http.StatusAccepted)
+	default:
+		http.NotFound(w, r)
+	}
+}
+
+func newLegacyTestProxy(t *testing.T) (*fakeLegacy, *httptest.Server) {
+	t.Helper()
+	f := &fakeLegacy{streams: map[string]chan []byte{}}
+	up := httptest.NewServer(f)
+	t.Cleanup(up.Close)
+	f.url = up.URL
+	u, _ := url.Parse(up.URL + "/base")
+	proxy := httptest.NewServer(New(Options{Upstream: u, Engine: engine.New(engine.Options{Store: store.NewMemory(100)})}))
+	t.Cleanup(proxy.Close)
+	return f, proxy
+}
+
+type legacyTestClient struct {
+	t        *testing.T
+	base     string
+	endpoint string
+	events   chan mcpmsg.Event
+	cancel   context.CancelFunc
+}
+
+func openLegacy(t *testing.T, base string) *legacyTestClient {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
+	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, base+"/sse", nil)
+	req.Header.Set("Accept", "text/event-stream")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := &legacyTestClient{t: t, base: base, events: make(chan mcpmsg.Event, 64), cancel: cancel}
+	er := mcpmsg.NewEventReader(resp.Body, 1<<20)
+	first, err := er.Next()
+	if err != nil || eventName(first.Raw) != "endpoint" {
+		t.Fatalf("first event %q, %v; want the endpoint", first.Raw, err)
+	}
+	c.endpoint = string(first.Data)
+	go func() {
+		defer func() { _ = resp.Body.Close() }()
+		for {
+			ev, err := er.Next()
+			if err != nil {
+				close(c.events)
+				return
+			}
+			c.events <- ev
+		}
+	}()
+	return c
+}
+
+func (c *legacyTestClient) post(body string) int {
+	c.t.Helper()
+	resp, err := http.Post(c.base+c.endpoint, "application/json", strings.NewReader(body))
+	if err != nil {
+		c.t.Fatal(err)
+	}
+	_ = resp.Body.Close()
+	return resp.StatusCode
+}
+
+// next returns the next message on the stream.
+func (c *legacyTestClient) next() map[string]any {
+	c.t.Helper()
+	select {
+	case ev, ok := <-c.events:
+		if !ok {
+			c.t.Fatal("the stream ended")
+		}
+		var m map[string]any
+		if err := json.Unmarshal(ev.Data, &m); err != nil {
+			c.t.Fatalf("event %q: %v", ev.Raw, err)
+		}
+		return m
+	case <-time.After(5 * time.Second):
+		c.t.Fatal("no event within 5s")
+		return nil
+	}
+}
+
+func TestLegacyAbsoluteEndpointReplayAndCancel(t *testing.T) {
+	f, proxy := newLegacyTestProxy(t)
+	c := openLegacy(t, proxy.URL)
+	if !strings.HasPrefix(c.endpoint, "/msg?sid=") {
+		t.Fatalf("endpoint %q: want the upstream's absolute URL rewritten to /msg?sid=...", c.endpoint)
+	}
+
+	call := `{"jsonrpc":"2.0","id":%s,"method":"tools/call","params":{"name":"charge","arguments":{"card":"4242","delayMs":%d}}}`
+	if s := c.post(fmt.Sprintf(call, "1", 300)); s != http.StatusAccepted {
+		t.Fatalf("POST tools/call: %d, want 202", s)
+	}
+	// The client cancels (as agents do on a timeout): not forwarded.
+	if s := c.post(`{"jsonrpc":"2.0","method":"notifications/cancelled","params":{"requestId":1}}`); s != http.StatusAccepted {
+		t.Fatalf("POST cancel: %d", s)
+	}
+	first := c.next()
+	if first["id"] != 1.0 {
+		t.Fatalf("first response %v, want id 1", first)
+	}
+	// A retry with a string id gets the replay, with its own id.
+	if s := c.post(fmt.Sprintf(call, `"retry-2"`, 300)); s != http.StatusAccepted {
+		t.Fatalf("POST retry: %d", s)
+	}
+	replay := c.next()
+	if replay["id"] != "retry-2" {
+		t.Fatalf("replay %v, want id \"retry-2\"", replay)
+	}
+	meta, _ := replay["result"].(map[string]any)["_meta"].(map[string]any)
+	if meta[engine.ReplayedMeta] != true {
+		t.Errorf("replay without _meta[%q]: %v", engine.ReplayedMeta, replay)
+	}
+	if n := f.calls.Load(); n != 1 {
+		t.Errorf("the server ran %d calls, want 1", n)
+	}
+	if n := f.cancels.Load(); n != 0 {
+		t.Errorf("%d cancels of a deduplicated call reached the server", n)
+	}
+
+	// A message the server refuses: the client hears of it on the stream.
+	c.post(`{"jsonrpc":"2.0","id":9,"method":"tools/call","params":{"name":"refused"}}`)
+	refused := c.next()
+	if refused["id"] != 9.0 || refused["error"] == nil || !strings.Contains(fmt.Sprint(refused["error"]), "HTTP 400") {
+		t.Errorf("refused call: %v, want an error with id 9 naming HTTP 400", refused)
+	}
+	// An invalid key is refused by the engine, on the stream too.
+	c.post(`{"jsonrpc":"2.0","id":10,"method":"tools/call","params":{"name":"charge","_meta":{"idempotency-key":""}}}`)
+	if bad := c.next(); bad["id"] != 10.0 || fmt.Sprint(bad["error"].(map[string]any)["code"]) != fmt.Sprint(mcpmsg.CodeInvalidParams) {
+		t.Errorf("invalid key: %v, want error %d with id 10", bad, mcpmsg.CodeInvalidParams)
+	}
+}
+
+func TestLegacyClientLeavesHoldsUpstreamUntilAnswered(t *testing.T) {
+	f, proxy := newLegacyTestProxy(t)
+	c := openLegacy(t, proxy.URL)
+	call := `{"jsonrpc":"2.0","id":%d,"method":"tools/call","params":{"name":"charge","arguments":{"delayMs":%d}}}`
+	c.post(fmt.Sprintf(call, 1, 400))
+	c.cancel() // the client's stream goes away mid-call
+	time.Sleep(100 * time.Millisecond)
+	if n := f.gets.Load(); n != 1 {
+		t.Fatalf("%d upstream streams open while the call runs, want 1 (held)", n)
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for f.gets.Load() != 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("the held upstream stream was not closed after the response")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if n := f.calls.Load(); n != 1 {
+		t.Fatalf("server ran %d calls, want 1", n)
+	}
+}
+
+func TestNonLegacyEventStreamIsRelayedByteForByte(t *testing.T) {
+	_, proxy := newLegacyTestProxy(t)
+	req, _ := http.NewRequest(http.MethodGet, proxy.URL+"/plain", nil)
+	req.Header.Set("Accept", "text/event-stream")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = resp.Body.Close() }()
+	got, _ := io.ReadAll(bufio.NewReader(resp.Body))
+	// The first event is read as an event (to tell a legacy stream), the
+	// rest is copied as it comes.
+	want := "id: 1\ndata: one\n\n: a comment\n\n\n\ndata: two\ndata: lines\n\n"
+	if !bytes.Equal(got, []byte(want)) {
+		t.Errorf("relayed %q, want %q", got, want)
+	}
+	if resp.Header.Get("Content-Type") != "text/event-stream" {
+		t.Errorf("Content-Type %q", resp.Header.Get("Content-Type"))
+	}
+}
