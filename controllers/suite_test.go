@@ -17,6 +17,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/log/zap"
 
 	"github.com/idemcp/idemcp/controllers"
+	"github.com/idemcp/idemcp/webhook"
 )
 
 var (
@@ -46,6 +47,7 @@ func TestMain(m *testing.M) {
 	testEnv = &envtest.Environment{
 		CRDDirectoryPaths:     []string{filepath.Join("..", "config", "crd", "bases")},
 		ErrorIfCRDPathMissing: true,
+		WebhookInstallOptions: envtest.WebhookInstallOptions{Paths: []string{filepath.Join("..", "config", "webhook", "manifests.yaml")}},
 	}
 	var err error
 	if cfg, err = testEnv.Start(); err != nil {
@@ -60,7 +62,12 @@ func TestMain(m *testing.M) {
 func run(m *testing.M) int {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	mgr, err := controllers.NewManager(cfg, controllers.ManagerOptions{MetricsAddr: "0", ProbeAddr: "0", RedisImage: "redis:7.4-alpine", SecretRecheck: time.Second})
+	wh := testEnv.WebhookInstallOptions
+	mgr, err := controllers.NewManager(cfg, controllers.ManagerOptions{
+		MetricsAddr: "0", ProbeAddr: "0", RedisImage: "redis:7.4-alpine", SecretRecheck: time.Second,
+		WebhookHost: wh.LocalServingHost, WebhookPort: wh.LocalServingPort, WebhookCertDir: wh.LocalServingCertDir,
+		MissingPolicy: "deny", Sidecar: webhook.DefaultConfig("ghcr.io/idemcp/idemcp:test"), Namespace: "idemcp-system",
+	})
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 1

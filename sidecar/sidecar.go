@@ -35,6 +35,9 @@ type Options struct {
 	Listen           string
 	Upstream         string
 	PolicyFile       string
+	// Policy is an inline IdempotencyPolicy manifest (YAML or JSON): the
+	// snapshot the webhook writes into an injected sidecar's env.
+	Policy string
 	AdminListen      string
 	MaxBodyBytes     int64
 	MaxResponseBytes int64
@@ -76,6 +79,7 @@ func (o *Options) Flags(fs *flag.FlagSet) {
 	fs.StringVar(&o.Listen, "listen", env("LISTEN", ":8081"), "address the proxy listens on")
 	fs.StringVar(&o.Upstream, "upstream", env("UPSTREAM", ""), "URL of the MCP server, such as http://127.0.0.1:8080 (required)")
 	fs.StringVar(&o.PolicyFile, "policy-file", env("POLICY_FILE", ""), "an IdempotencyPolicy YAML file; only its spec is used (default: Memory store, Session scope, Auto, 24h TTL)")
+	fs.StringVar(&o.Policy, "policy", env("POLICY", ""), "an inline IdempotencyPolicy manifest (YAML or JSON), as the webhook injects it; exclusive with --policy-file")
 	fs.StringVar(&o.AdminListen, "admin-listen", env("ADMIN_LISTEN", ":9091"), "address of /healthz, /readyz and /metrics (empty: off)")
 	fs.Int64Var(&o.MaxBodyBytes, "max-body-bytes", envInt("MAX_BODY_BYTES", httpproxy.DefaultMaxBodyBytes), "largest request body accepted")
 	fs.Int64Var(&o.MaxResponseBytes, "max-response-bytes", envInt("MAX_RESPONSE_BYTES", httpproxy.DefaultMaxResponseBytes), "largest response message of a deduplicated call that is relayed")
@@ -157,9 +161,16 @@ func New(o Options) (*Sidecar, error) {
 		return nil, fmt.Errorf("--upstream: %q is not an http:// or https:// URL with a host", o.Upstream)
 	}
 	pol := policy.Default()
-	if o.PolicyFile != "" {
+	switch {
+	case o.PolicyFile != "" && o.Policy != "":
+		return nil, errors.New("--policy-file and --policy (IDEMCP_POLICY) both given; use one")
+	case o.PolicyFile != "":
 		if pol, err = policy.LoadFile(o.PolicyFile); err != nil {
 			return nil, fmt.Errorf("--policy-file %s: %w", o.PolicyFile, err)
+		}
+	case o.Policy != "":
+		if pol, err = policy.Parse([]byte(o.Policy)); err != nil {
+			return nil, fmt.Errorf("--policy (IDEMCP_POLICY): %w", err)
 		}
 	}
 	st, err := OpenStore(o.Store, pol, log)

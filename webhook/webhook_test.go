@@ -1,0 +1,300 @@
+package webhook_test
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"strings"
+	"testing"
+
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/equality"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/intstr"
+	"k8s.io/client-go/tools/events"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	"github.com/idemcp/idemcp/api/v1alpha1"
+	"github.com/idemcp/idemcp/webhook"
+)
+
+func createPolicy(t *testing.T, ns, name string, spec v1alpha1.IdempotencyPolicySpec) *v1alpha1.IdempotencyPolicy {
+	t.Helper()
+	p := &v1alpha1.IdempotencyPolicy{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns}, Spec: spec}
+	if err := k8s.Create(context.Background(), p); err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+func mcpPod(ns, name string, annotations map[string]string) *corev1.Pod {
+	return &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns, Annotations: annotations},
+		Spec: corev1.PodSpec{Containers: []corev1.Container{{
+			Name:  "server",
+			Image: "example.com/mcp-server:1",
+			Ports: []corev1.ContainerPort{{Name: "mcp", ContainerPort: 8080}, {Name: "metrics", ContainerPort: 9090}},
+		}}},
+	}
+}
+
+var optIn = map[string]string{webhook.AnnotationInject: "true", webhook.AnnotationPolicy: "payments"}
+
+func managedSpec() v1alpha1.IdempotencyPolicySpec {
+	return v1alpha1.IdempotencyPolicySpec{Store: v1alpha1.StoreSpec{Type: v1alpha1.StoreRedis, Redis: &v1alpha1.RedisStoreSpec{Managed: &v1alpha1.ManagedRedis{}}}}
+}
+
+func sidecarOf(t *testing.T, pod *corev1.Pod) (c corev1.Container, native bool) {
+	t.Helper()
+	n := 0
+	for _, ic := range pod.Spec.InitContainers {
+		if ic.Name == webhook.ContainerName {
+			c, native, n = ic, true, n+1
+		}
+	}
+	for _, pc := range pod.Spec.Containers {
+		if pc.Name == webhook.ContainerName {
+			c, n = pc, n+1
+		}
+	}
+	if n != 1 {
+		t.Fatalf("pod has %d idemcp sidecars, want 1", n)
+	}
+	return c, native
+}
+
+func envValue(c corev1.Container, name string) *corev1.EnvVar {
+	for i := range c.Env {
+		if c.Env[i].Name == name {
+			return &c.Env[i]
+		}
+	}
+	return nil
+}
+
+func TestInjectsOptedInPod(t *testing.T) {
+	ctx := context.Background()
+	ns := namespace(t, true)
+	createPolicy(t, ns, "payments", managedSpec())
+	pod := mcpPod(ns, "mcp-0", optIn)
+	if err := k8s.Create(ctx, pod); err != nil {
+		t.Fatal(err)
+	}
+	c, native := sidecarOf(t, pod)
+	if !native || c.RestartPolicy == nil || *c.RestartPolicy != corev1.ContainerRestartPolicyAlways || pod.Spec.InitContainers[0].Name != webhook.ContainerName {
+		t.Errorf("sidecar is not the first init container with restartPolicy Always: %+v", pod.Spec.InitContainers)
+	}
+	if c.Image != testImage {
+		t.Errorf("image %s, want the manager's %s", c.Image, testImage)
+	}
+	wantArgs := []string{"sidecar", "--listen=:15480", "--admin-listen=:15481", "--upstream=http://127.0.0.1:8080", "--redis-addr=payments-redis." + ns + ".svc:6379"}
+	if strings.Join(c.Args, " ") != strings.Join(wantArgs, " ") {
+		t.Errorf("args %q, want %q", c.Args, wantArgs)
+	}
+	// Port swap: the server's mcp port is renamed, the sidecar's takes the name.
+	if p := pod.Spec.Containers[0].Ports[0]; p.Name != "mcp-upstream" || p.ContainerPort != 8080 {
+		t.Errorf("server port %+v, want mcp-upstream/8080", p)
+	}
+	if p := c.Ports[0]; p.Name != "mcp" || p.ContainerPort != 15480 {
+		t.Errorf("sidecar port %+v, want mcp/15480", p)
+	}
+	for _, pr := range []*corev1.Probe{c.ReadinessProbe, c.LivenessProbe} {
+		if pr == nil || pr.HTTPGet == nil || pr.HTTPGet.Port.String() != webhook.PortNameAdmin {
+			t.Errorf("probe %+v is not on the admin port", pr)
+		}
+	}
+	if c.ReadinessProbe.HTTPGet.Path != "/readyz" || c.LivenessProbe.HTTPGet.Path != "/healthz" {
+		t.Errorf("probe paths %s %s", c.ReadinessProbe.HTTPGet.Path, c.LivenessProbe.HTTPGet.Path)
+	}
+	if c.Resources.Requests.Cpu().String() != "10m" || c.Resources.Limits.Memory().String() != "128Mi" {
+		t.Errorf("resources %+v", c.Resources)
+	}
+	sc := c.SecurityContext
+	if sc == nil || !*sc.RunAsNonRoot || !*sc.ReadOnlyRootFilesystem || *sc.AllowPrivilegeEscalation ||
+		len(sc.Capabilities.Drop) != 1 || sc.Capabilities.Drop[0] != "ALL" || sc.SeccompProfile.Type != corev1.SeccompProfileTypeRuntimeDefault {
+		t.Errorf("security context %+v is not restricted", sc)
+	}
+	pw := envValue(c, "IDEMCP_REDIS_PASSWORD")
+	if pw == nil || pw.ValueFrom == nil || pw.ValueFrom.SecretKeyRef == nil || pw.ValueFrom.SecretKeyRef.Name != "payments-redis" || pw.ValueFrom.SecretKeyRef.Key != "password" {
+		t.Errorf("redis password env %+v, want a secretKeyRef to payments-redis/password", pw)
+	}
+	snap := envValue(c, "IDEMCP_POLICY")
+	if snap == nil || !strings.Contains(snap.Value, `"kind":"IdempotencyPolicy"`) || !strings.Contains(snap.Value, `"managed":{}`) || strings.Contains(snap.Value, "password") {
+		t.Errorf("policy snapshot %+v", snap)
+	}
+	var token *corev1.Volume
+	for i := range pod.Spec.Volumes {
+		if pod.Spec.Volumes[i].Name == webhook.TokenVolume {
+			token = &pod.Spec.Volumes[i]
+		}
+	}
+	if token == nil || token.Projected == nil || token.Projected.Sources[0].ServiceAccountToken.Audience != "idemcp" {
+		t.Errorf("token volume %+v, want a projected token with audience idemcp", token)
+	}
+	if len(c.VolumeMounts) != 1 || c.VolumeMounts[0].MountPath != webhook.TokenMountPath {
+		t.Errorf("mounts %+v", c.VolumeMounts)
+	}
+	var status webhook.Status
+	if err := json.Unmarshal([]byte(pod.Annotations[webhook.AnnotationStatus]), &status); err != nil || status.Policy != "payments" || status.PolicyHash == "" || status.Upstream != 8080 {
+		t.Errorf("status annotation %q (%v)", pod.Annotations[webhook.AnnotationStatus], err)
+	}
+	if pod.Labels[v1alpha1.LabelPolicy] != "payments" {
+		t.Errorf("labels %v", pod.Labels)
+	}
+
+	// Created again from the injected spec (a re-invocation, or a pod
+	// copied from another): still one sidecar.
+	again := pod.DeepCopy()
+	again.ObjectMeta = metav1.ObjectMeta{Name: "mcp-1", Namespace: ns, Annotations: pod.Annotations, Labels: pod.Labels}
+	if err := k8s.Create(ctx, again); err != nil {
+		t.Fatal(err)
+	}
+	sidecarOf(t, again)
+	// Running the defaulter again on an injected pod changes nothing.
+	inj := &webhook.Injector{Client: k8s, Config: sidecar, Recorder: events.NewFakeRecorder(10), MissingPolicy: webhook.MissingPolicyDeny}
+	before := again.DeepCopy()
+	if err := inj.Default(ctx, again); err != nil {
+		t.Fatal(err)
+	}
+	if !equality.Semantic.DeepEqual(before, again) {
+		t.Error("re-running the defaulter changed an injected pod")
+	}
+}
+
+func TestPlainContainerFallbackAndUpstreamAnnotation(t *testing.T) {
+	ns := namespace(t, true)
+	createPolicy(t, ns, "payments", v1alpha1.IdempotencyPolicySpec{})
+	pod := mcpPod(ns, "old-cluster", map[string]string{
+		webhook.AnnotationInject: "true", webhook.AnnotationPolicy: "payments",
+		webhook.AnnotationNativeSidecar: "false", webhook.AnnotationUpstreamPort: "9090",
+	})
+	if err := k8s.Create(context.Background(), pod); err != nil {
+		t.Fatal(err)
+	}
+	c, native := sidecarOf(t, pod)
+	if native || c.RestartPolicy != nil {
+		t.Error("with native-sidecar: false the sidecar must be a plain container")
+	}
+	if !strings.Contains(strings.Join(c.Args, " "), "--upstream=http://127.0.0.1:9090") {
+		t.Errorf("args %q do not use the annotated port", c.Args)
+	}
+	if pod.Spec.Containers[0].Ports[0].Name != "mcp" || c.Ports[0].Name != "" {
+		t.Error("the mcp port was swapped although the upstream is another port")
+	}
+	if envValue(c, "IDEMCP_REDIS_PASSWORD") != nil {
+		t.Error("a Memory policy got a Redis password")
+	}
+}
+
+func TestPodsLeftAlone(t *testing.T) {
+	ctx := context.Background()
+	enabled, disabled := namespace(t, true), namespace(t, false)
+	createPolicy(t, enabled, "payments", v1alpha1.IdempotencyPolicySpec{})
+	createPolicy(t, disabled, "payments", v1alpha1.IdempotencyPolicySpec{})
+	host := mcpPod(enabled, "host", optIn)
+	host.Spec.HostNetwork = true
+	pods := []*corev1.Pod{
+		mcpPod(enabled, "not-opted-in", map[string]string{webhook.AnnotationPolicy: "payments"}),
+		mcpPod(enabled, "opted-out", map[string]string{webhook.AnnotationInject: "false", webhook.AnnotationPolicy: "payments"}),
+		mcpPod(disabled, "other-namespace", optIn),
+		host,
+	}
+	for _, p := range pods {
+		if err := k8s.Create(ctx, p); err != nil {
+			t.Fatalf("%s: %v", p.Name, err)
+		}
+		if len(p.Spec.InitContainers) != 0 || len(p.Spec.Containers) != 1 || p.Annotations[webhook.AnnotationStatus] != "" || p.Spec.Containers[0].Ports[0].Name != "mcp" {
+			t.Errorf("pod %s/%s was changed: %+v", p.Namespace, p.Name, p.Spec)
+		}
+	}
+
+	// A Deployment's pod template is not a pod: untouched.
+	dep := &appsv1.Deployment{
+		ObjectMeta: metav1.ObjectMeta{Name: "mcp", Namespace: enabled},
+		Spec: appsv1.DeploymentSpec{
+			Selector: &metav1.LabelSelector{MatchLabels: map[string]string{"app": "mcp"}},
+			Template: corev1.PodTemplateSpec{
+				ObjectMeta: metav1.ObjectMeta{Labels: map[string]string{"app": "mcp"}, Annotations: optIn},
+				Spec:       mcpPod(enabled, "", nil).Spec,
+			},
+		},
+	}
+	if err := k8s.Create(ctx, dep); err != nil {
+		t.Fatal(err)
+	}
+	if len(dep.Spec.Template.Spec.InitContainers) != 0 || dep.Spec.Template.Annotations[webhook.AnnotationStatus] != "" {
+		t.Error("the Deployment's pod template was injected")
+	}
+}
+
+func TestServiceTargetPortReachesSidecar(t *testing.T) {
+	ctx := context.Background()
+	ns := namespace(t, true)
+	createPolicy(t, ns, "payments", v1alpha1.IdempotencyPolicySpec{})
+	pod := mcpPod(ns, "mcp-0", optIn)
+	pod.Labels = map[string]string{"app": "mcp"}
+	if err := k8s.Create(ctx, pod); err != nil {
+		t.Fatal(err)
+	}
+	svc := &corev1.Service{
+		ObjectMeta: metav1.ObjectMeta{Name: "mcp", Namespace: ns},
+		Spec: corev1.ServiceSpec{Selector: map[string]string{"app": "mcp"},
+			Ports: []corev1.ServicePort{{Port: 80, TargetPort: intstr.FromString("mcp")}}},
+	}
+	if err := k8s.Create(ctx, svc); err != nil {
+		t.Fatal(err)
+	}
+	// Resolve targetPort as the endpoints controller does: the container
+	// port of that name, among all containers (native sidecars included).
+	var target []string
+	for _, c := range append(append([]corev1.Container{}, pod.Spec.InitContainers...), pod.Spec.Containers...) {
+		for _, p := range c.Ports {
+			if p.Name == svc.Spec.Ports[0].TargetPort.StrVal {
+				target = append(target, fmt.Sprintf("%s:%d", c.Name, p.ContainerPort))
+			}
+		}
+	}
+	if strings.Join(target, ",") != webhook.ContainerName+":15480" {
+		t.Fatalf("targetPort mcp resolves to %v, want only the sidecar's 15480", target)
+	}
+}
+
+func TestRefusals(t *testing.T) {
+	ctx := context.Background()
+	ns := namespace(t, true)
+	err := k8s.Create(ctx, mcpPod(ns, "no-policy", optIn))
+	if err == nil || !strings.Contains(err.Error(), "IdempotencyPolicy "+ns+"/payments not found") {
+		t.Errorf("pod with a missing policy: %v, want a denial naming the policy", err)
+	}
+	err = k8s.Create(ctx, mcpPod(ns, "unnamed", map[string]string{webhook.AnnotationInject: "true"}))
+	if err == nil || !strings.Contains(err.Error(), "names no policy") {
+		t.Errorf("pod naming no policy: %v", err)
+	}
+	createPolicy(t, ns, "payments", v1alpha1.IdempotencyPolicySpec{})
+	noPort := mcpPod(ns, "no-port", optIn)
+	noPort.Spec.Containers[0].Ports = []corev1.ContainerPort{{ContainerPort: 1}, {ContainerPort: 2}}
+	err = k8s.Create(ctx, noPort)
+	if err == nil || !strings.Contains(err.Error(), `name the MCP server's container port "mcp" or annotate the pod idemcp.io/upstream-port`) {
+		t.Errorf("pod without an upstream port: %v", err)
+	}
+	bad := mcpPod(ns, "bad-port", map[string]string{webhook.AnnotationInject: "true", webhook.AnnotationPolicy: "payments", webhook.AnnotationUpstreamPort: "http"})
+	if err = k8s.Create(ctx, bad); err == nil || !strings.Contains(err.Error(), `idemcp.io/upstream-port is "http"`) {
+		t.Errorf("pod with a bad upstream-port: %v", err)
+	}
+
+	// With --webhook-missing-policy=admit the pod runs without the sidecar.
+	admit := &webhook.Injector{Client: k8s, Config: sidecar, MissingPolicy: webhook.MissingPolicyAdmit, Recorder: events.NewFakeRecorder(10)}
+	pod := mcpPod(ns, "admitted", map[string]string{webhook.AnnotationInject: "true", webhook.AnnotationPolicy: "absent"})
+	if err := admit.Default(ctx, pod); err != nil || webhook.Injected(pod) {
+		t.Errorf("admit mode: err %v, injected %v; want admitted untouched", err, webhook.Injected(pod))
+	}
+	var list corev1.PodList
+	if err := k8s.List(ctx, &list, client.InNamespace(ns)); err != nil || len(list.Items) != 0 {
+		t.Errorf("refused pods exist: %d (%v)", len(list.Items), err)
+	}
+}
+
+func recorder() events.EventRecorder { return events.NewFakeRecorder(100) }
+
+func itoa(n int32) string { return fmt.Sprint(n) }
