@@ -7,6 +7,7 @@ COPY main.go ./
 COPY api/ api/
 COPY controllers/ controllers/
 COPY sidecar/ sidecar/
+COPY webhook/ webhook/
 ARG TARGETOS=linux
 ARG TARGETARCH=amd64
 RUN CGO_ENABLED=0 GOOS=${TARGETOS} GOARCH=${TARGETARCH} go build -trimpath -ldflags="-s -w" -o /out/idemcp .
