@@ -464,15 +464,8 @@ func replaceData(raw []byte, data string) []byte {
 // serveLegacyPost handles a message the client POSTs to its legacy
 // session's endpoint.
 func (p *Proxy) serveLegacyPost(w http.ResponseWriter, r *http.Request, s *legacySession) {
-	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, p.opts.MaxBodyBytes))
-	if err != nil {
-		var tooBig *http.MaxBytesError
-		if errors.As(err, &tooBig) {
-			writeError(w, r, http.StatusRequestEntityTooLarge, nil, mcpmsg.CodeInvalidRequest,
-				fmt.Sprintf("request body is over %d bytes, the sidecar's limit (--max-body-bytes)", p.opts.MaxBodyBytes))
-			return
-		}
-		writeError(w, r, http.StatusBadRequest, nil, mcpmsg.CodeParseError, fmt.Sprintf("reading request body: %v", err))
+	body, ok := p.readBody(w, r)
+	if !ok {
 		return
 	}
 	// Anything that is not one well-formed message goes to the server,

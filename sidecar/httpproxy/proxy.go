@@ -162,15 +162,8 @@ func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 
-	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, p.opts.MaxBodyBytes))
-	if err != nil {
-		var tooBig *http.MaxBytesError
-		if errors.As(err, &tooBig) {
-			writeError(w, r, http.StatusRequestEntityTooLarge, nil, mcpmsg.CodeInvalidRequest,
-				fmt.Sprintf("request body is over %d bytes, the sidecar's limit (--max-body-bytes)", p.opts.MaxBodyBytes))
-			return
-		}
-		writeError(w, r, http.StatusBadRequest, nil, mcpmsg.CodeParseError, fmt.Sprintf("reading request body: %v", err))
+	body, ok := p.readBody(w, r)
+	if !ok {
 		return
 	}
 	kind, err := mcpmsg.Sniff(body)
@@ -205,6 +198,23 @@ func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	default:
 		p.forwardBody(w, r, body, false)
 	}
+}
+
+// readBody reads a request body within --max-body-bytes, or answers the
+// client with the reason it cannot and returns false.
+func (p *Proxy) readBody(w http.ResponseWriter, r *http.Request) ([]byte, bool) {
+	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, p.opts.MaxBodyBytes))
+	if err == nil {
+		return body, true
+	}
+	var tooBig *http.MaxBytesError
+	if errors.As(err, &tooBig) {
+		writeError(w, r, http.StatusRequestEntityTooLarge, nil, mcpmsg.CodeInvalidRequest,
+			fmt.Sprintf("request body is over %d bytes, the sidecar's limit (--max-body-bytes)", p.opts.MaxBodyBytes))
+		return nil, false
+	}
+	writeError(w, r, http.StatusBadRequest, nil, mcpmsg.CodeParseError, fmt.Sprintf("reading request body: %v", err))
+	return nil, false
 }
 
 func (p *Proxy) serveToolCall(w http.ResponseWriter, r *http.Request, body []byte, msg *mcpmsg.Message, hdrMethod string) {
