@@ -36,7 +36,7 @@ lint: golangci-lint ## Run golangci-lint with .golangci.yml.
 
 .PHONY: manifests
 manifests: controller-gen ## Write the CRD and the manager's RBAC from the code markers.
-	$(CONTROLLER_GEN) rbac:roleName=manager-role crd paths="./api/..." paths="./controllers/..." \
+	$(CONTROLLER_GEN) rbac:roleName=manager-role crd paths="./api/..." paths="./controllers/..." paths="./webhook/..." \
 		output:crd:artifacts:config=config/crd/bases output:rbac:artifacts:config=config/rbac
 
 .PHONY: generate
@@ -58,7 +58,7 @@ envtest: ## Build (once, cached outside the checkout) the kube-apiserver, etcd a
 
 .PHONY: test
 test: test-deps vet ## Run every test: unit, store contract, envtest, and end to end against real MCP servers.
-	KUBEBUILDER_ASSETS="$$(hack/setup-envtest.sh)" $(GO) test -race -count=1 ./...
+	assets="$$(hack/setup-envtest.sh)"; KUBEBUILDER_ASSETS="$$assets" $(GO) test -race -count=1 ./...
 
 .PHONY: bench
 bench: ## Run the Go benchmarks of the hot path.

@@ -23,6 +23,7 @@ import (
 
 	"github.com/idemcp/idemcp/api/v1alpha1"
 	"github.com/idemcp/idemcp/webhook"
+	"github.com/idemcp/idemcp/webhook/certs"
 )
 
 // ManagerOptions are the flags of `idemcp manager`.
@@ -48,6 +49,11 @@ type ManagerOptions struct {
 	Sidecar webhook.Config
 	// Namespace is the manager's own namespace: never injected.
 	Namespace string
+	// WebhookCertManagement is who keeps the webhook's serving certificate:
+	// "self" (webhook/certs: a CA in a Secret, the caBundle patched, the
+	// serving certificate rotated), "cert-manager" (config/certmanager), or
+	// "" (the caller fills WebhookCertDir, as envtest does).
+	WebhookCertManagement string
 }
 
 // Flags registers the options on fs.
@@ -65,6 +71,7 @@ func (o *ManagerOptions) Flags(fs *flag.FlagSet) {
 	fs.Func("sidecar-port", "the injected sidecar's proxy port (default 15480)", intFlag(&o.Sidecar.ProxyPort))
 	fs.Func("sidecar-admin-port", "the injected sidecar's admin port (default 15481)", intFlag(&o.Sidecar.AdminPort))
 	fs.StringVar(&o.Namespace, "namespace", os.Getenv("POD_NAMESPACE"), "the manager's own namespace, never injected (default: $POD_NAMESPACE)")
+	fs.StringVar(&o.WebhookCertManagement, "webhook-cert-management", "self", "who keeps the webhook's serving certificate: self (the manager keeps a CA in the Secret "+certs.DefaultSecretName+" and sets the caBundle) or cert-manager (config/certmanager)")
 	o.Zap.BindFlags(fs)
 }
 
@@ -153,6 +160,23 @@ func NewManager(cfg *rest.Config, o ManagerOptions) (ctrl.Manager, error) {
 		Recorder:         mgr.GetEventRecorder("idemcp-webhook"),
 	}
 	mgr.GetWebhookServer().Register(webhook.Path, injector.Handler(scheme))
+	switch o.WebhookCertManagement {
+	case "self":
+		certManager := certs.New(mgr.GetClient(), mgr.GetAPIReader(), certs.Options{Namespace: o.Namespace, CertDir: o.WebhookCertDir})
+		// Now, not only as a runnable: the webhook server loads CertDir when
+		// it starts, before the manager starts its other runnables.
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		if err := certManager.EnsureOnce(ctx); err != nil {
+			return nil, fmt.Errorf("issuing the webhook serving certificate: %w", err)
+		}
+		if err := mgr.Add(certManager); err != nil {
+			return nil, fmt.Errorf("adding the webhook certificate manager: %w", err)
+		}
+	case "cert-manager", "":
+	default:
+		return nil, fmt.Errorf("--webhook-cert-management: %q is not one of self, cert-manager", o.WebhookCertManagement)
+	}
 	if err := mgr.AddHealthzCheck("healthz", healthz.Ping); err != nil {
 		return nil, err
 	}

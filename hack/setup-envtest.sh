@@ -76,16 +76,6 @@ staging_version="v0.${k8s_minor}.${BASH_REMATCH[2]}"
 
 log() { echo "setup-envtest: $*"; }
 
-if ! command -v go >/dev/null 2>&1; then
-	cat <<-EOF
-		setup-envtest: 'go' is not on PATH.
-		  This script builds kube-apiserver and etcd from source with the Go toolchain.
-		  Install Go (see go.mod for the version) and make sure 'go' is on PATH,
-		  e.g. export PATH=\$PATH:/usr/local/go/bin
-	EOF
-	exit 1
-fi
-
 # The binaries are built in throwaway modules: the project's go.mod, GOFLAGS
 # and GOWORK must not leak in. A toolchain switch would need a download.
 export GOWORK=off GOFLAGS="-mod=mod -buildvcs=false" CGO_ENABLED=0
@@ -125,6 +115,16 @@ done_print() {
 check
 if ((!need_apiserver && !need_etcd && !need_kubectl)); then
 	done_print
+fi
+
+if ! command -v go >/dev/null 2>&1; then
+	cat <<-EOF
+		setup-envtest: 'go' is not on PATH.
+		  This script builds kube-apiserver and etcd from source with the Go toolchain.
+		  Install Go (see go.mod for the version) and make sure 'go' is on PATH,
+		  e.g. export PATH=\$PATH:/usr/local/go/bin
+	EOF
+	exit 1
 fi
 
 mkdir -p "$dir"

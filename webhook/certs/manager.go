@@ -10,6 +10,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io/fs"
 	"maps"
 	"net/http"
 	"os"
@@ -229,56 +230,90 @@ func (m *Manager) ensureSecret(ctx context.Context) (*corev1.Secret, error) {
 	}
 }
 
-// writeFiles writes tls.key and tls.crt to CertDir where they differ.
+// writeFiles makes tls.crt and tls.key in CertDir hold the pair in data.
 func (m *Manager) writeFiles(ctx context.Context, data map[string][]byte) error {
-	if err := os.MkdirAll(m.opts.CertDir, 0o700); err != nil {
-		return fmt.Errorf("creating the webhook certificate directory: %w", err)
+	wrote, err := writePair(m.opts.CertDir, data[corev1.TLSCertKey], data[corev1.TLSPrivateKeyKey])
+	if err != nil {
+		return fmt.Errorf("writing the webhook serving certificate to %s: %w", m.opts.CertDir, err)
 	}
-	var changed bool
-	// Between the two renames the webhook server's certwatcher fails to
-	// load the mismatched pair and keeps serving the old one.
-	for _, f := range []struct {
-		name string
-		perm os.FileMode
-	}{{corev1.TLSPrivateKeyKey, 0o600}, {corev1.TLSCertKey, 0o644}} {
-		wrote, err := writeFileIfChanged(filepath.Join(m.opts.CertDir, f.name), data[f.name], f.perm)
-		if err != nil {
-			return fmt.Errorf("writing the webhook serving certificate: %w", err)
-		}
-		changed = changed || wrote
-	}
-	if changed {
+	if wrote {
 		log.FromContext(ctx).Info("Wrote the webhook serving certificate", "dir", m.opts.CertDir)
 	}
 	return nil
 }
 
-// writeFileIfChanged replaces path by renaming a complete temporary file
-// over it, so a reader never sees half a file.
-func writeFileIfChanged(path string, content []byte, perm os.FileMode) (bool, error) {
-	if old, err := os.ReadFile(path); err == nil && bytes.Equal(old, content) {
+// dataLink is the symlink through which tls.crt and tls.key point at the
+// directory holding the current pair, as in a kubelet Secret volume.
+const dataLink = "..data"
+
+// writePair replaces tls.crt and tls.key in dir together, unless they
+// already hold certPEM and keyPEM. Two files renamed one after the other
+// would leave the webhook server's certwatcher, which reloads on every
+// change, a moment with a certificate and a key that do not match; so the
+// pair is written to a new directory and one rename of the ..data symlink
+// switches both (tls.crt -> ..data/tls.crt), the way the kubelet updates a
+// Secret volume and certwatcher expects.
+func writePair(dir string, certPEM, keyPEM []byte) (bool, error) {
+	if sameContent(filepath.Join(dir, corev1.TLSCertKey), certPEM) && sameContent(filepath.Join(dir, corev1.TLSPrivateKeyKey), keyPEM) {
 		return false, nil
 	}
-	tmp, err := os.CreateTemp(filepath.Dir(path), "."+filepath.Base(path)+".*")
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return false, err
+	}
+	next, err := os.MkdirTemp(dir, "..certs-")
 	if err != nil {
 		return false, err
 	}
-	defer os.Remove(tmp.Name()) // fails harmlessly once renamed
-	if _, err := tmp.Write(content); err != nil {
-		_ = tmp.Close()
+	if err := os.WriteFile(filepath.Join(next, corev1.TLSCertKey), certPEM, 0o644); err != nil {
+		return false, errors.Join(err, os.RemoveAll(next))
+	}
+	if err := os.WriteFile(filepath.Join(next, corev1.TLSPrivateKeyKey), keyPEM, 0o600); err != nil {
+		return false, errors.Join(err, os.RemoveAll(next))
+	}
+	if err := replaceSymlink(filepath.Join(dir, dataLink), filepath.Base(next)); err != nil {
+		return false, errors.Join(err, os.RemoveAll(next))
+	}
+	for _, name := range []string{corev1.TLSCertKey, corev1.TLSPrivateKeyKey} {
+		link, target := filepath.Join(dir, name), filepath.Join(dataLink, name)
+		if current, err := os.Readlink(link); err == nil && current == target {
+			continue
+		}
+		// Once per directory: turns a plain file, or nothing, into the link.
+		if err := replaceSymlink(link, target); err != nil {
+			return false, err
+		}
+	}
+	// The pair just replaced, and any left by a crash between MkdirTemp
+	// and the switch; removing the old files is what certwatcher notices.
+	old, err := filepath.Glob(filepath.Join(dir, "..certs-*"))
+	if err != nil {
 		return false, err
 	}
-	if err := tmp.Chmod(perm); err != nil {
-		_ = tmp.Close()
-		return false, err
-	}
-	if err := tmp.Close(); err != nil {
-		return false, err
-	}
-	if err := os.Rename(tmp.Name(), path); err != nil {
-		return false, err
+	for _, d := range old {
+		if d != next {
+			if err := os.RemoveAll(d); err != nil {
+				return false, err
+			}
+		}
 	}
 	return true, nil
+}
+
+// replaceSymlink points link at target in one rename.
+func replaceSymlink(link, target string) error {
+	tmp := link + ".tmp"
+	if err := os.Remove(tmp); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return err
+	}
+	if err := os.Symlink(target, tmp); err != nil {
+		return err
+	}
+	return os.Rename(tmp, link)
+}
+
+func sameContent(path string, content []byte) bool {
+	old, err := os.ReadFile(path)
+	return err == nil && bytes.Equal(old, content)
 }
 
 // ensureCABundle sets caBundle on every webhook of the

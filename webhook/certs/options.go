@@ -28,6 +28,10 @@ const inClusterNamespaceFile = "/var/run/secrets/kubernetes.io/serviceaccount/na
 // Options say where the webhook's certificate lives and how long it lasts.
 // Zero fields take the defaults.
 type Options struct {
+	// ExtraDNSNames are added to the serving certificate's names, for a
+	// webhook configuration that calls a URL rather than the Service.
+	ExtraDNSNames []string
+
 	// Namespace of the Secret and of the webhook Service (default: the
 	// namespace the manager runs in).
 	Namespace string
@@ -102,7 +106,8 @@ func (o Options) complete() (Options, error) {
 // API server itself dials <svc>.<ns>.svc.
 func (o *Options) dnsNames() []string {
 	svc, ns := o.ServiceName, o.Namespace
-	return []string{svc, svc + "." + ns, svc + "." + ns + ".svc", svc + "." + ns + ".svc.cluster.local"}
+	names := []string{svc, svc + "." + ns, svc + "." + ns + ".svc", svc + "." + ns + ".svc.cluster.local"}
+	return append(names, o.ExtraDNSNames...)
 }
 
 func (o *Options) serverName() string {

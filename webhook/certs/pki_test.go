@@ -7,6 +7,7 @@ import (
 	"maps"
 	"os"
 	"path/filepath"
+	"reflect"
 	"slices"
 	"strings"
 	"testing"
@@ -171,7 +172,7 @@ func TestOptionsComplete(t *testing.T) {
 		CAValidity: DefaultCAValidity, CertValidity: DefaultCertValidity,
 		RotateBefore: DefaultRotateBefore, CheckInterval: DefaultCheckInterval,
 	}
-	if o != want {
+	if !reflect.DeepEqual(o, want) {
 		t.Errorf("defaults %+v, want %+v", o, want)
 	}
 
@@ -198,32 +199,42 @@ func TestOptionsComplete(t *testing.T) {
 	}
 }
 
-func TestWriteFileIfChanged(t *testing.T) {
-	path := filepath.Join(t.TempDir(), "tls.key")
+func TestWritePair(t *testing.T) {
+	dir := t.TempDir()
+	// A plain pair, as an older manager or a person may have left it.
+	for _, name := range []string{"tls.crt", "tls.key"} {
+		if err := os.WriteFile(filepath.Join(dir, name), []byte("plain"), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
 	for i, tt := range []struct {
-		content   string
+		cert, key string
 		wantWrote bool
-	}{{"one", true}, {"one", false}, {"two", true}} {
-		wrote, err := writeFileIfChanged(path, []byte(tt.content), 0o600)
+	}{{"cert1", "key1", true}, {"cert1", "key1", false}, {"cert1", "key2", true}, {"cert3", "key3", true}} {
+		wrote, err := writePair(dir, []byte(tt.cert), []byte(tt.key))
 		if err != nil {
 			t.Fatal(err)
 		}
 		if wrote != tt.wantWrote {
-			t.Errorf("write %d of %q: wrote %v, want %v", i, tt.content, wrote, tt.wantWrote)
+			t.Errorf("write %d: wrote %v, want %v", i, wrote, tt.wantWrote)
 		}
-		if got, _ := os.ReadFile(path); string(got) != tt.content {
-			t.Errorf("write %d: file holds %q, want %q", i, got, tt.content)
+		for name, want := range map[string]string{"tls.crt": tt.cert, "tls.key": tt.key} {
+			if got, _ := os.ReadFile(filepath.Join(dir, name)); string(got) != want {
+				t.Errorf("write %d: %s holds %q, want %q", i, name, got, want)
+			}
 		}
 	}
-	fi, err := os.Stat(path)
+	fi, err := os.Stat(filepath.Join(dir, "tls.key"))
 	if err != nil {
 		t.Fatal(err)
 	}
 	if fi.Mode().Perm() != 0o600 {
-		t.Errorf("mode %v, want 0600", fi.Mode().Perm())
+		t.Errorf("tls.key mode %v, want 0600", fi.Mode().Perm())
 	}
-	if entries, _ := os.ReadDir(filepath.Dir(path)); len(entries) != 1 {
-		t.Errorf("temporary files left behind: %v", entries)
+	pairs, _ := filepath.Glob(filepath.Join(dir, "..certs-*"))
+	leftovers, _ := filepath.Glob(filepath.Join(dir, "*.tmp"))
+	if len(pairs) != 1 || len(leftovers) != 0 {
+		t.Errorf("old pairs or temporary links left behind: %v %v", pairs, leftovers)
 	}
 }
 
