@@ -14,10 +14,12 @@ import (
 
 	"github.com/idemcp/idemcp/controllers"
 	"github.com/idemcp/idemcp/sidecar"
+	"github.com/idemcp/idemcp/sidecar/stdio"
 )
 
 var commands = map[string]func(ctx context.Context, args []string) error{
 	"sidecar": sidecar.Main,
+	"wrap":    stdio.Main,
 	"manager": controllers.ManagerMain,
 }
 
@@ -26,6 +28,7 @@ const usage = `idemcp makes MCP tool calls exactly-once.
 Usage:
   idemcp manager [--leader-elect] [--redis-image IMAGE]
   idemcp sidecar --listen ADDR --upstream URL [--policy-file FILE] [--admin-listen ADDR]
+  idemcp wrap [--policy-file FILE] [--store memory|redis ...] -- CMD [ARGS...]
   idemcp help
 
 Run 'idemcp COMMAND -h' for a command's flags.
@@ -49,6 +52,10 @@ func main() {
 	if err := run(ctx, os.Args[2:]); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return
+		}
+		var exit interface{ ExitCode() int }
+		if errors.As(err, &exit) {
+			os.Exit(exit.ExitCode()) // the wrapped server already said why on stderr
 		}
 		fmt.Fprintf(os.Stderr, "idemcp %s: %v\n", os.Args[1], err)
 		os.Exit(1)

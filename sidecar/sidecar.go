@@ -13,7 +13,6 @@ import (
 	"net/http"
 	"net/url"
 	"os"
-	"strconv"
 	"strings"
 	"time"
 
@@ -32,12 +31,12 @@ import (
 // Options are the sidecar's flags; each also reads IDEMCP_<FLAG> from the
 // environment (IDEMCP_LISTEN, IDEMCP_UPSTREAM, ...).
 type Options struct {
-	Listen           string
-	Upstream         string
-	PolicyFile       string
+	Listen     string
+	Upstream   string
+	PolicyFile string
 	// Policy is an inline IdempotencyPolicy manifest (YAML or JSON): the
 	// snapshot the webhook writes into an injected sidecar's env.
-	Policy string
+	Policy           string
 	AdminListen      string
 	MaxBodyBytes     int64
 	MaxResponseBytes int64
@@ -65,57 +64,27 @@ type StoreOptions struct {
 
 // Flags registers the store flags on fs, with defaults from the environment.
 func (o *StoreOptions) Flags(fs *flag.FlagSet) {
-	fs.StringVar(&o.Kind, "store", env("STORE", ""), "memory or redis (default: the policy's spec.store.type)")
-	fs.IntVar(&o.MemoryMaxEntries, "memory-max-entries", int(envInt("MEMORY_MAX_ENTRIES", store.DefaultMaxEntries)), "most records the memory store holds")
-	fs.StringVar(&o.RedisAddrs, "redis-addr", env("REDIS_ADDR", ""), "Redis host:port, comma-separated for Cluster seeds or Sentinels (default: the policy's store.redis.external.addresses)")
-	fs.StringVar(&o.RedisSentinelMaster, "redis-sentinel-master", env("REDIS_SENTINEL_MASTER", ""), "master name when --redis-addr lists Sentinels")
-	fs.BoolVar(&o.RedisTLS, "redis-tls", envBool("REDIS_TLS"), "connect to Redis with TLS")
-	fs.StringVar(&o.RedisPasswordFile, "redis-password-file", env("REDIS_PASSWORD_FILE", ""), "file holding the Redis password (default: $IDEMCP_REDIS_PASSWORD)")
-	fs.StringVar(&o.RedisKeyPrefix, "redis-key-prefix", env("REDIS_KEY_PREFIX", ""), "prefix of every Redis key (default: idemcp:NAMESPACE/POLICY:)")
+	fs.StringVar(&o.Kind, "store", Env("STORE", ""), "memory or redis (default: the policy's spec.store.type)")
+	fs.IntVar(&o.MemoryMaxEntries, "memory-max-entries", int(EnvInt("MEMORY_MAX_ENTRIES", store.DefaultMaxEntries)), "most records the memory store holds")
+	fs.StringVar(&o.RedisAddrs, "redis-addr", Env("REDIS_ADDR", ""), "Redis host:port, comma-separated for Cluster seeds or Sentinels (default: the policy's store.redis.external.addresses)")
+	fs.StringVar(&o.RedisSentinelMaster, "redis-sentinel-master", Env("REDIS_SENTINEL_MASTER", ""), "master name when --redis-addr lists Sentinels")
+	fs.BoolVar(&o.RedisTLS, "redis-tls", EnvBool("REDIS_TLS"), "connect to Redis with TLS")
+	fs.StringVar(&o.RedisPasswordFile, "redis-password-file", Env("REDIS_PASSWORD_FILE", ""), "file holding the Redis password (default: $IDEMCP_REDIS_PASSWORD)")
+	fs.StringVar(&o.RedisKeyPrefix, "redis-key-prefix", Env("REDIS_KEY_PREFIX", ""), "prefix of every Redis key (default: idemcp:NAMESPACE/POLICY:)")
 }
 
 // Flags registers the options on fs, with defaults from the environment.
 func (o *Options) Flags(fs *flag.FlagSet) {
-	fs.StringVar(&o.Listen, "listen", env("LISTEN", ":8081"), "address the proxy listens on")
-	fs.StringVar(&o.Upstream, "upstream", env("UPSTREAM", ""), "URL of the MCP server, such as http://127.0.0.1:8080 (required)")
-	fs.StringVar(&o.PolicyFile, "policy-file", env("POLICY_FILE", ""), "an IdempotencyPolicy YAML file; only its spec is used (default: Memory store, Session scope, Auto, 24h TTL)")
-	fs.StringVar(&o.Policy, "policy", env("POLICY", ""), "an inline IdempotencyPolicy manifest (YAML or JSON), as the webhook injects it; exclusive with --policy-file")
-	fs.StringVar(&o.AdminListen, "admin-listen", env("ADMIN_LISTEN", ":9091"), "address of /healthz, /readyz and /metrics (empty: off)")
-	fs.Int64Var(&o.MaxBodyBytes, "max-body-bytes", envInt("MAX_BODY_BYTES", httpproxy.DefaultMaxBodyBytes), "largest request body accepted")
-	fs.Int64Var(&o.MaxResponseBytes, "max-response-bytes", envInt("MAX_RESPONSE_BYTES", httpproxy.DefaultMaxResponseBytes), "largest response message of a deduplicated call that is relayed")
+	fs.StringVar(&o.Listen, "listen", Env("LISTEN", ":8081"), "address the proxy listens on")
+	fs.StringVar(&o.Upstream, "upstream", Env("UPSTREAM", ""), "URL of the MCP server, such as http://127.0.0.1:8080 (required)")
+	fs.StringVar(&o.PolicyFile, "policy-file", Env("POLICY_FILE", ""), "an IdempotencyPolicy YAML file; only its spec is used (default: Memory store, Session scope, Auto, 24h TTL)")
+	fs.StringVar(&o.Policy, "policy", Env("POLICY", ""), "an inline IdempotencyPolicy manifest (YAML or JSON), as the webhook injects it; exclusive with --policy-file")
+	fs.StringVar(&o.AdminListen, "admin-listen", Env("ADMIN_LISTEN", ":9091"), "address of /healthz, /readyz and /metrics (empty: off)")
+	fs.Int64Var(&o.MaxBodyBytes, "max-body-bytes", EnvInt("MAX_BODY_BYTES", httpproxy.DefaultMaxBodyBytes), "largest request body accepted")
+	fs.Int64Var(&o.MaxResponseBytes, "max-response-bytes", EnvInt("MAX_RESPONSE_BYTES", httpproxy.DefaultMaxResponseBytes), "largest response message of a deduplicated call that is relayed")
 	o.Store.Flags(fs)
-	fs.DurationVar(&o.ShutdownTimeout, "shutdown-timeout", envDuration("SHUTDOWN_TIMEOUT", 30*time.Second), "how long to wait for calls in flight when stopping")
-	fs.StringVar(&o.LogLevel, "log-level", env("LOG_LEVEL", "info"), "debug, info, warn or error")
-}
-
-func env(name, def string) string {
-	if v, ok := os.LookupEnv("IDEMCP_" + name); ok {
-		return v
-	}
-	return def
-}
-
-func envInt(name string, def int64) int64 {
-	if v, ok := os.LookupEnv("IDEMCP_" + name); ok {
-		if n, err := strconv.ParseInt(v, 10, 64); err == nil {
-			return n
-		}
-	}
-	return def
-}
-
-func envBool(name string) bool {
-	b, _ := strconv.ParseBool(os.Getenv("IDEMCP_" + name))
-	return b
-}
-
-func envDuration(name string, def time.Duration) time.Duration {
-	if v, ok := os.LookupEnv("IDEMCP_" + name); ok {
-		if d, err := time.ParseDuration(v); err == nil {
-			return d
-		}
-	}
-	return def
+	fs.DurationVar(&o.ShutdownTimeout, "shutdown-timeout", EnvDuration("SHUTDOWN_TIMEOUT", 30*time.Second), "how long to wait for calls in flight when stopping")
+	fs.StringVar(&o.LogLevel, "log-level", Env("LOG_LEVEL", "info"), "debug, info, warn or error")
 }
 
 // Main runs `idemcp sidecar ARGS` until ctx ends.
@@ -160,18 +129,9 @@ func New(o Options) (*Sidecar, error) {
 	if err != nil || (up.Scheme != "http" && up.Scheme != "https") || up.Host == "" {
 		return nil, fmt.Errorf("--upstream: %q is not an http:// or https:// URL with a host", o.Upstream)
 	}
-	pol := policy.Default()
-	switch {
-	case o.PolicyFile != "" && o.Policy != "":
-		return nil, errors.New("--policy-file and --policy (IDEMCP_POLICY) both given; use one")
-	case o.PolicyFile != "":
-		if pol, err = policy.LoadFile(o.PolicyFile); err != nil {
-			return nil, fmt.Errorf("--policy-file %s: %w", o.PolicyFile, err)
-		}
-	case o.Policy != "":
-		if pol, err = policy.Parse([]byte(o.Policy)); err != nil {
-			return nil, fmt.Errorf("--policy (IDEMCP_POLICY): %w", err)
-		}
+	pol, err := LoadPolicy(o.PolicyFile, o.Policy)
+	if err != nil {
+		return nil, err
 	}
 	st, err := OpenStore(o.Store, pol, log)
 	if err != nil {

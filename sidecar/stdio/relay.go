@@ -1,0 +1,332 @@
+package stdio
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"time"
+
+	"github.com/idemcp/idemcp/sidecar/engine"
+	"github.com/idemcp/idemcp/sidecar/mcpmsg"
+)
+
+// readClient relays the client's messages to the child until stdin ends.
+func (w *Wrapper) readClient() {
+	lr := newLineReader(w.in, w.opts.MaxLineBytes)
+	for {
+		line, over, err := lr.next()
+		switch {
+		case over != nil:
+			w.clientLineTooLong(over)
+		case line != nil:
+			w.fromClient(line)
+		}
+		if err != nil {
+			if !errors.Is(err, io.EOF) {
+				w.log.Error("Reading from the client failed; treating it as hung up", "err", err)
+			}
+			return
+		}
+	}
+}
+
+func (w *Wrapper) fromClient(line []byte) {
+	if len(bytes.TrimSpace(line)) == 0 {
+		return
+	}
+	kind, err := mcpmsg.Sniff(line)
+	if err != nil || !json.Valid(line) {
+		w.refuse(nil, mcpmsg.CodeParseError, "a line from the client is not JSON")
+		return
+	}
+	if kind == mcpmsg.Batch {
+		// Batches (2025-03-26 only) are forwarded whole, not deduplicated.
+		w.toChild(line, nil)
+		return
+	}
+	msg, err := mcpmsg.Parse(line)
+	if err != nil {
+		var id json.RawMessage
+		if msg != nil && len(msg.ID) > 0 && msg.ID[0] != '{' && msg.ID[0] != '[' {
+			id = msg.ID
+		}
+		w.refuse(id, mcpmsg.CodeInvalidRequest, fmt.Sprintf("a line from the client is not a JSON-RPC message: %v", err))
+		return
+	}
+	switch msg.Method {
+	case "tools/call":
+		w.onToolCall(line, msg)
+		return
+	case "tools/list":
+		if msg.IsRequest() {
+			w.lists.add(mcpmsg.IDKey(msg.ID))
+		}
+	case "notifications/cancelled":
+		if w.swallowCancel(msg) {
+			return
+		}
+	}
+	w.toChild(line, msg)
+}
+
+// refuse answers a line that is not forwarded, and says why on stderr.
+func (w *Wrapper) refuse(id json.RawMessage, code int, why string) {
+	w.log.Error("Refused a message from the client; nothing was forwarded", "code", code, "reason", why)
+	_ = w.out.writeLine(mcpmsg.ErrorResponse(id, code, why+"; idemcp did not forward it"))
+}
+
+// toChild forwards a line as it came; a request that cannot be written
+// is answered with an error.
+func (w *Wrapper) toChild(line []byte, msg *mcpmsg.Message) {
+	err := w.childIn.writeLine(line)
+	if err == nil {
+		return
+	}
+	if msg != nil && msg.IsRequest() {
+		_ = w.out.writeLine(mcpmsg.ErrorResponse(msg.ID, mcpmsg.CodeUpstreamUnavailable, w.gone(err)))
+		return
+	}
+	w.log.Warn("Dropped a message for the MCP server, which is not running", "method", methodOf(msg), "err", err)
+}
+
+func methodOf(msg *mcpmsg.Message) string {
+	if msg == nil {
+		return "batch"
+	}
+	if msg.Method == "" {
+		return "response"
+	}
+	return msg.Method
+}
+
+// gone explains why the server cannot take a message.
+func (w *Wrapper) gone(err error) string {
+	if why := w.stopReason(); why != "" {
+		return "the MCP server is not running (" + why + "); nothing was sent to it"
+	}
+	return fmt.Sprintf("the MCP server could not be reached (%v); nothing was sent to it", err)
+}
+
+// swallowCancel keeps a client's cancel of a deduplicated call from
+// reaching the server: agents cancel on timeout and then retry, and the
+// retry must get the result of the call that ran, not run it again.
+func (w *Wrapper) swallowCancel(msg *mcpmsg.Message) bool {
+	var params struct {
+		RequestID json.RawMessage `json:"requestId"`
+	}
+	if json.Unmarshal(msg.Params, &params) != nil || len(params.RequestID) == 0 {
+		return false
+	}
+	if !w.calls.cancelled(mcpmsg.IDKey(params.RequestID)) {
+		return false
+	}
+	w.log.Debug("Kept the client's cancel of a deduplicated call from the MCP server; the call goes on and its result is kept", "requestId", string(params.RequestID))
+	return true
+}
+
+func (w *Wrapper) onToolCall(line []byte, msg *mcpmsg.Message) {
+	if len(msg.ID) == 0 {
+		w.toChild(line, msg) // a notification: nothing to answer or deduplicate
+		return
+	}
+	tc, err := engine.ParseToolCall(msg.Params)
+	if err == nil {
+		var plan *engine.Plan
+		if plan, err = w.engine.Plan(tc, w.caller); err == nil && plan == nil {
+			w.engine.CountPassthrough()
+			w.toChild(line, msg)
+			return
+		} else if err == nil {
+			w.dedup(line, msg.ID, plan)
+			return
+		}
+	}
+	var ee *engine.Error
+	if !errors.As(err, &ee) {
+		ee = &engine.Error{Code: mcpmsg.CodeInternalError, Message: err.Error()}
+	}
+	_ = w.out.writeLine(mcpmsg.ErrorResponse(msg.ID, ee.Code, ee.Message))
+}
+
+// dedup answers a deduplicated call on its own goroutine: it may wait for
+// another caller's result.
+func (w *Wrapper) dedup(line []byte, id json.RawMessage, plan *engine.Plan) {
+	key := mcpmsg.IDKey(id)
+	ctx, cancel := context.WithCancel(w.base)
+	c := w.calls.start(key, cancel)
+	if c == nil {
+		cancel()
+		w.refuse(id, mcpmsg.CodeInvalidRequest, fmt.Sprintf("request id %s is already used by a call in flight", id))
+		return
+	}
+	if !w.tasks.add() {
+		w.calls.release(c)
+		cancel()
+		_ = w.out.writeLine(mcpmsg.ErrorResponse(id, mcpmsg.CodeUpstreamUnavailable, w.gone(errClosed)))
+		return
+	}
+	go func() {
+		defer w.tasks.done()
+		defer cancel()
+		defer w.calls.release(c)
+		out, err := w.engine.Execute(ctx, plan, func(context.Context) (engine.Upstream, error) {
+			w.calls.hold(c)
+			defer w.calls.release(c)
+			up, err := w.forward(line, key, c)
+			c.fwdErr = err
+			close(c.fwdDone)
+			return up, err
+		})
+		w.answer(c, id, plan, out, err)
+	}()
+}
+
+// forward writes a deduplicated call to the child and waits for the
+// response with its id, which the child reader relays to the client.
+func (w *Wrapper) forward(line []byte, key string, c *dedupCall) (engine.Upstream, error) {
+	p, err := w.router.expect(key, c)
+	if err != nil {
+		return engine.Upstream{}, err
+	}
+	if err := w.childIn.writeLine(line); err != nil {
+		w.router.drop(key, p)
+		return engine.Upstream{}, &upstreamError{code: mcpmsg.CodeUpstreamUnavailable, msg: w.gone(err)}
+	}
+	<-p.done
+	if p.err != nil {
+		return engine.Upstream{}, p.err
+	}
+	return engine.Upstream{Response: p.resp}, nil
+}
+
+func (w *Wrapper) answer(c *dedupCall, id json.RawMessage, plan *engine.Plan, out engine.Outcome, err error) {
+	if errors.Is(err, engine.ErrDetached) && !c.cancelled.Load() {
+		// The wrapper is stopping while the call runs: its response is
+		// relayed when it comes; if it never does, say so.
+		<-c.fwdDone
+		if err = c.fwdErr; err == nil {
+			return
+		}
+	}
+	if c.cancelled.Load() {
+		// A cancelled request gets no answer; a call it started goes on.
+		return
+	}
+	var ee *engine.Error
+	var ue *upstreamError
+	var resp []byte
+	switch {
+	case err == nil && out.Kind == engine.Replayed:
+		resp = mcpmsg.WithID(out.Response, id)
+	case err == nil:
+		return // relayed by the child reader
+	case errors.As(err, &ee):
+		resp = mcpmsg.ErrorResponse(id, ee.Code, ee.Message)
+	case errors.As(err, &ue):
+		w.log.Warn("A deduplicated call failed upstream; its key is released, so a retry runs it again", "tool", plan.Tool, "reason", ue.msg)
+		resp = mcpmsg.ErrorResponse(id, ue.code, ue.msg)
+	default:
+		resp = mcpmsg.ErrorResponse(id, mcpmsg.CodeUpstreamUnavailable, fmt.Sprintf(
+			"%q was not called: idemcp wrap is stopping (%s)", plan.Tool, w.stopReason()))
+	}
+	_ = w.out.writeLine(resp)
+}
+
+func (w *Wrapper) clientLineTooLong(o *overlong) {
+	why := fmt.Sprintf("a message from the client is %d bytes, over the limit of %d (--max-line-bytes)", o.size, w.opts.MaxLineBytes)
+	switch {
+	case o.id != nil && o.method:
+		w.refuse(o.id, mcpmsg.CodeInvalidRequest, why)
+	case o.id != nil:
+		// A response to the server's request: tell the server, so it does
+		// not wait for it forever.
+		w.log.Error("Dropped the client's response to a request of the MCP server", "reason", why, "id", string(o.id))
+		_ = w.childIn.writeLine(mcpmsg.ErrorResponse(o.id, mcpmsg.CodeInternalError, why+"; idemcp dropped it"))
+	default:
+		w.log.Error("Dropped a message from the client", "reason", why)
+	}
+}
+
+// readChild relays the child's messages to the client until its stdout
+// ends, then fails the calls still waiting for a response.
+func (w *Wrapper) readChild(exited <-chan struct{}) {
+	lr := newLineReader(w.childOut, w.opts.MaxResponseBytes)
+	for {
+		line, over, err := lr.next()
+		switch {
+		case over != nil:
+			w.childLineTooLong(over)
+		case line != nil:
+			w.fromChild(line)
+		}
+		if err != nil {
+			break
+		}
+	}
+	// The exit code makes the error clearer; it usually follows at once.
+	why := "the MCP server closed its stdout before answering"
+	select {
+	case <-exited:
+		why = fmt.Sprintf("the MCP server exited with code %d before answering", exitCode(w.cmd.ProcessState))
+	case <-time.After(time.Second):
+	}
+	w.router.close(&upstreamError{code: mcpmsg.CodeUpstreamUnavailable,
+		msg: why + "; nothing was stored, so a retry runs the call again"})
+}
+
+func (w *Wrapper) fromChild(line []byte) {
+	if len(bytes.TrimSpace(line)) == 0 {
+		return
+	}
+	kind, err := mcpmsg.Sniff(line)
+	if err != nil || !json.Valid(line) {
+		// Servers must log to stderr; a stray line on stdout would break
+		// the client's stream.
+		w.log.Warn("Dropped a line the MCP server wrote to stdout that is not JSON-RPC", "line", truncate(line, 200))
+		return
+	}
+	if kind == mcpmsg.Single {
+		if msg, err := mcpmsg.Parse(line); err == nil && msg.Method == "" && len(msg.ID) > 0 {
+			key := mcpmsg.IDKey(msg.ID)
+			if p := w.router.take(key); p != nil {
+				if !p.call.cancelled.Load() {
+					_ = w.out.writeLine(line)
+				}
+				p.resp = line
+				close(p.done)
+				return
+			}
+			if w.lists.take(key) && len(msg.Result) > 0 {
+				w.engine.Hints().ObserveListResult(msg.Result)
+			}
+		}
+	}
+	_ = w.out.writeLine(line)
+}
+
+func (w *Wrapper) childLineTooLong(o *overlong) {
+	why := fmt.Sprintf("a message from the MCP server is %d bytes, over the limit of %d (--max-response-bytes)", o.size, w.opts.MaxResponseBytes)
+	w.log.Error("Dropped a message from the MCP server", "reason", why, "id", string(o.id))
+	switch {
+	case o.id != nil && o.method:
+		_ = w.childIn.writeLine(mcpmsg.ErrorResponse(o.id, mcpmsg.CodeInternalError, why+"; idemcp dropped it"))
+	case o.id != nil:
+		msg := why + "; idemcp dropped it, and did not store it"
+		if p := w.router.take(mcpmsg.IDKey(o.id)); p != nil {
+			p.err = &upstreamError{code: mcpmsg.CodeInternalError, msg: msg}
+			close(p.done)
+			return
+		}
+		_ = w.out.writeLine(mcpmsg.ErrorResponse(o.id, mcpmsg.CodeInternalError, msg))
+	}
+}
+
+func truncate(b []byte, n int) string {
+	if len(b) <= n {
+		return string(b)
+	}
+	return string(b[:n]) + "..."
+}
