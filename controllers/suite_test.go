@@ -8,15 +8,13 @@ import (
 	"testing"
 	"time"
 
-	"go.uber.org/zap/zapcore"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/client-go/rest"
-	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/envtest"
-	"sigs.k8s.io/controller-runtime/pkg/log/zap"
 
 	"github.com/idemcp/idemcp/controllers"
+	"github.com/idemcp/idemcp/test/envtestutil"
 	"github.com/idemcp/idemcp/webhook"
 )
 
@@ -28,35 +26,21 @@ var (
 )
 
 // TestMain starts a real kube-apiserver and etcd (built by
-// hack/setup-envtest.sh) with the CRD installed, and the reconciler.
+// hack/setup-envtest.sh) with the CRD and webhook installed, and the manager.
 func TestMain(m *testing.M) {
-	assetsDir = os.Getenv("KUBEBUILDER_ASSETS")
-	if assetsDir == "" {
-		if os.Getenv("CI") == "true" {
-			fmt.Fprintln(os.Stderr, "KUBEBUILDER_ASSETS is not set: run through make test, or export KUBEBUILDER_ASSETS=$(hack/setup-envtest.sh)")
-			os.Exit(1)
-		}
-		fmt.Fprintln(os.Stderr, "skipping the controller tests: export KUBEBUILDER_ASSETS=$(hack/setup-envtest.sh) (make test does)")
+	if !envtestutil.Available() {
 		os.Exit(0)
 	}
-	level := zapcore.ErrorLevel
-	if os.Getenv("ENVTEST_VERBOSE") != "" {
-		level = zapcore.DebugLevel
-	}
-	ctrl.SetLogger(zap.New(zap.WriteTo(os.Stderr), zap.Level(level)))
+	assetsDir = os.Getenv("KUBEBUILDER_ASSETS")
 	testEnv = &envtest.Environment{
 		CRDDirectoryPaths:     []string{filepath.Join("..", "config", "crd", "bases")},
 		ErrorIfCRDPathMissing: true,
 		WebhookInstallOptions: envtest.WebhookInstallOptions{Paths: []string{filepath.Join("..", "config", "webhook", "manifests.yaml")}},
 	}
-	var err error
-	if cfg, err = testEnv.Start(); err != nil {
-		fmt.Fprintf(os.Stderr, "starting envtest: %v\n", err)
-		os.Exit(1)
-	}
-	code := run(m)
-	_ = testEnv.Stop()
-	os.Exit(code)
+	os.Exit(envtestutil.Run(testEnv, func(c *rest.Config) int {
+		cfg = c
+		return run(m)
+	}))
 }
 
 func run(m *testing.M) int {
@@ -95,18 +79,9 @@ func newNamespace(t *testing.T) string {
 	return ns.Name
 }
 
-// eventually polls cond until it returns nil, or fails with its last error.
 func eventually(t *testing.T, what string, cond func() error) {
 	t.Helper()
-	deadline := time.Now().Add(20 * time.Second)
-	var err error
-	for time.Now().Before(deadline) {
-		if err = cond(); err == nil {
-			return
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
-	t.Fatalf("timed out waiting for %s: %v", what, err)
+	envtestutil.Eventually(t, what, cond)
 }
 
 func envtestAdmin() envtest.User {

@@ -8,16 +8,14 @@ import (
 	"testing"
 	"time"
 
-	"go.uber.org/zap/zapcore"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/rest"
-	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/envtest"
-	"sigs.k8s.io/controller-runtime/pkg/log/zap"
 
 	"github.com/idemcp/idemcp/controllers"
+	"github.com/idemcp/idemcp/test/envtestutil"
 	"github.com/idemcp/idemcp/webhook"
 )
 
@@ -33,32 +31,18 @@ var (
 // TestMain runs a real kube-apiserver with the webhook configuration from
 // config/webhook installed, and the manager serving it.
 func TestMain(m *testing.M) {
-	if os.Getenv("KUBEBUILDER_ASSETS") == "" {
-		if os.Getenv("CI") == "true" {
-			fmt.Fprintln(os.Stderr, "KUBEBUILDER_ASSETS is not set: run through make test, or export KUBEBUILDER_ASSETS=$(hack/setup-envtest.sh)")
-			os.Exit(1)
-		}
-		fmt.Fprintln(os.Stderr, "skipping the webhook tests: export KUBEBUILDER_ASSETS=$(hack/setup-envtest.sh) (make test does)")
+	if !envtestutil.Available() {
 		os.Exit(0)
 	}
-	level := zapcore.ErrorLevel
-	if os.Getenv("ENVTEST_VERBOSE") != "" {
-		level = zapcore.DebugLevel
-	}
-	ctrl.SetLogger(zap.New(zap.WriteTo(os.Stderr), zap.Level(level)))
 	testEnv = &envtest.Environment{
 		CRDDirectoryPaths:     []string{filepath.Join("..", "config", "crd", "bases")},
 		ErrorIfCRDPathMissing: true,
 		WebhookInstallOptions: envtest.WebhookInstallOptions{Paths: []string{filepath.Join("..", "config", "webhook", "manifests.yaml")}},
 	}
-	var err error
-	if cfg, err = testEnv.Start(); err != nil {
-		fmt.Fprintf(os.Stderr, "starting envtest: %v\n", err)
-		os.Exit(1)
-	}
-	code := run(m)
-	_ = testEnv.Stop()
-	os.Exit(code)
+	os.Exit(envtestutil.Run(testEnv, func(c *rest.Config) int {
+		cfg = c
+		return run(m)
+	}))
 }
 
 func run(m *testing.M) int {

@@ -21,19 +21,17 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
-	"go.uber.org/zap/zapcore"
 	admissionregistrationv1 "k8s.io/api/admissionregistration/v1"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/rest"
 	"k8s.io/utils/ptr"
-	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/certwatcher"
 	cwmetrics "sigs.k8s.io/controller-runtime/pkg/certwatcher/metrics"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/envtest"
-	"sigs.k8s.io/controller-runtime/pkg/log/zap"
 
+	"github.com/idemcp/idemcp/test/envtestutil"
 	"github.com/idemcp/idemcp/webhook/certs"
 )
 
@@ -51,33 +49,18 @@ var (
 // hack/setup-envtest.sh). Without them the unit tests still run and the
 // tests that need the API server skip, except under CI, where that fails.
 func TestMain(m *testing.M) {
-	if os.Getenv("KUBEBUILDER_ASSETS") == "" {
-		if os.Getenv("CI") == "true" {
-			fmt.Fprintln(os.Stderr, "KUBEBUILDER_ASSETS is not set: run through make test, or export KUBEBUILDER_ASSETS=$(hack/setup-envtest.sh)")
-			os.Exit(1)
-		}
-		fmt.Fprintln(os.Stderr, "skipping the envtest tests: export KUBEBUILDER_ASSETS=$(hack/setup-envtest.sh) (make test does)")
+	if !envtestutil.Available() {
 		os.Exit(m.Run())
 	}
-	level := zapcore.ErrorLevel
-	if os.Getenv("ENVTEST_VERBOSE") != "" {
-		level = zapcore.DebugLevel
-	}
-	ctrl.SetLogger(zap.New(zap.WriteTo(os.Stderr), zap.Level(level)))
-	testEnv := &envtest.Environment{}
-	var err error
-	if cfg, err = testEnv.Start(); err != nil {
-		fmt.Fprintf(os.Stderr, "starting envtest: %v\n", err)
-		os.Exit(1)
-	}
-	if k8s, err = client.New(cfg, client.Options{}); err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		_ = testEnv.Stop()
-		os.Exit(1)
-	}
-	code := m.Run()
-	_ = testEnv.Stop()
-	os.Exit(code)
+	os.Exit(envtestutil.Run(&envtest.Environment{}, func(c *rest.Config) int {
+		cfg = c
+		var err error
+		if k8s, err = client.New(cfg, client.Options{}); err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			return 1
+		}
+		return m.Run()
+	}))
 }
 
 // TestEnsureOnceCreatesSecretFilesAndCABundle: from nothing, one
@@ -511,16 +494,7 @@ func count(t *testing.T, c prometheus.Counter) float64 {
 	return m.GetCounter().GetValue()
 }
 
-// eventually polls cond until it returns nil, or fails with its last error.
 func eventually(t *testing.T, what string, cond func() error) {
 	t.Helper()
-	deadline := time.Now().Add(20 * time.Second)
-	var err error
-	for time.Now().Before(deadline) {
-		if err = cond(); err == nil {
-			return
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
-	t.Fatalf("timed out waiting for %s: %v", what, err)
+	envtestutil.Eventually(t, what, cond)
 }
