@@ -82,7 +82,15 @@ func newHarness(t *testing.T, rev revision, policyYAML string, mw func(http.Hand
 	h.upstream = httptest.NewServer(handler)
 	t.Cleanup(h.upstream.Close)
 
-	opts := sidecar.Options{Upstream: h.upstream.URL, LogLevel: "error", Store: sidecar.StoreOptions{MemoryMaxEntries: 1000}}
+	h.sidecar, h.proxy = startSidecar(t, h.upstream.URL, policyYAML)
+	return h
+}
+
+// startSidecar runs a sidecar with the memory store in front of upstream,
+// configured with policyYAML (none: the defaults).
+func startSidecar(t *testing.T, upstream, policyYAML string) (*sidecar.Sidecar, *httptest.Server) {
+	t.Helper()
+	opts := sidecar.Options{Upstream: upstream, LogLevel: "error", Store: sidecar.StoreOptions{MemoryMaxEntries: 1000}}
 	if policyYAML != "" {
 		opts.PolicyFile = filepath.Join(t.TempDir(), "policy.yaml")
 		if err := os.WriteFile(opts.PolicyFile, []byte(policyYAML), 0o600); err != nil {
@@ -93,10 +101,9 @@ func newHarness(t *testing.T, rev revision, policyYAML string, mw func(http.Hand
 	if err != nil {
 		t.Fatalf("sidecar.New: %v", err)
 	}
-	h.sidecar = sc
-	h.proxy = httptest.NewServer(sc.Handler())
-	t.Cleanup(h.proxy.Close)
-	return h
+	proxy := httptest.NewServer(sc.Handler())
+	t.Cleanup(proxy.Close)
+	return sc, proxy
 }
 
 type clientOpts struct {

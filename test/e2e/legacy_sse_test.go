@@ -5,8 +5,6 @@ import (
 	"fmt"
 	"net/http"
 	"net/http/httptest"
-	"os"
-	"path/filepath"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -14,7 +12,6 @@ import (
 
 	"github.com/modelcontextprotocol/go-sdk/mcp"
 
-	"github.com/idemcp/idemcp/sidecar"
 	"github.com/idemcp/idemcp/test/mcpserver"
 )
 
@@ -50,19 +47,7 @@ func newLegacyHarness(t *testing.T, policyYAML string) *legacyHarness {
 	}))
 	t.Cleanup(h.upstream.Close)
 
-	opts := sidecar.Options{Upstream: h.upstream.URL, LogLevel: "error", Store: sidecar.StoreOptions{MemoryMaxEntries: 1000}}
-	if policyYAML != "" {
-		opts.PolicyFile = filepath.Join(t.TempDir(), "policy.yaml")
-		if err := os.WriteFile(opts.PolicyFile, []byte(policyYAML), 0o600); err != nil {
-			t.Fatal(err)
-		}
-	}
-	sc, err := sidecar.New(opts)
-	if err != nil {
-		t.Fatalf("sidecar.New: %v", err)
-	}
-	h.proxy = httptest.NewServer(sc.Handler())
-	t.Cleanup(h.proxy.Close)
+	_, h.proxy = startSidecar(t, h.upstream.URL, policyYAML)
 	return h
 }
 

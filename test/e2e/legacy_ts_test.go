@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
-	"errors"
 	"net"
 	"net/http/httptest"
 	"os"
@@ -246,25 +245,7 @@ func legacyStartEverything(t *testing.T, node string) string {
 // JSON line.
 func legacyRunSSEClient(t *testing.T, node, url string) legacyTSOutput {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
-	defer cancel()
-	cmd := exec.CommandContext(ctx, node, "sse-client.mjs", url)
-	cmd.Dir = tsDir
-	cmd.WaitDelay = 5 * time.Second
-	var stdout, stderr bytes.Buffer
-	cmd.Stdout, cmd.Stderr = &stdout, &stderr
-	if err := cmd.Run(); err != nil {
-		if ctx.Err() != nil {
-			err = errors.Join(err, ctx.Err())
-		}
-		t.Fatalf("node sse-client.mjs %s: %v\nstderr:\n%s\nstdout:\n%s", url, err, stderr.String(), stdout.String())
-	}
-	if stderr.Len() > 0 {
-		t.Logf("sse-client.mjs stderr:\n%s", stderr.String())
-	}
 	var out legacyTSOutput
-	if err := json.Unmarshal(bytes.TrimSpace(stdout.Bytes()), &out); err != nil {
-		t.Fatalf("sse-client.mjs printed no JSON line (%v):\n%s", err, stdout.String())
-	}
+	runNodeScript(t, node, "sse-client.mjs", url, &out)
 	return out
 }

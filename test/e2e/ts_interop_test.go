@@ -186,9 +186,18 @@ func ensureTSDeps(t *testing.T, npm string) {
 // runTSClient runs client.mjs against url and parses its one JSON line.
 func runTSClient(t *testing.T, node, url string) tsOutput {
 	t.Helper()
+	var out tsOutput
+	runNodeScript(t, node, "client.mjs", url, &out)
+	return out
+}
+
+// runNodeScript runs one of the scripts in test/interop/ts with url and
+// decodes the one JSON line it prints into out.
+func runNodeScript(t *testing.T, node, script, url string, out any) {
+	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
-	cmd := exec.CommandContext(ctx, node, "client.mjs", url)
+	cmd := exec.CommandContext(ctx, node, script, url)
 	cmd.Dir = tsDir
 	cmd.WaitDelay = 5 * time.Second
 	var stdout, stderr bytes.Buffer
@@ -197,19 +206,17 @@ func runTSClient(t *testing.T, node, url string) tsOutput {
 		if ctx.Err() != nil {
 			err = errors.Join(err, ctx.Err())
 		}
-		t.Fatalf("node client.mjs %s: %v\nstderr:\n%s\nstdout:\n%s", url, err, stderr.String(), stdout.String())
+		t.Fatalf("node %s %s: %v\nstderr:\n%s\nstdout:\n%s", script, url, err, stderr.String(), stdout.String())
 	}
 	if stderr.Len() > 0 {
-		t.Logf("client.mjs stderr:\n%s", stderr.String())
+		t.Logf("%s stderr:\n%s", script, stderr.String())
 	}
 	if os.Getenv("E2E_TRACE") != "" {
-		t.Logf("client.mjs stdout:\n%s", stdout.String())
+		t.Logf("%s stdout:\n%s", script, stdout.String())
 	}
-	var out tsOutput
-	if err := json.Unmarshal(bytes.TrimSpace(stdout.Bytes()), &out); err != nil {
-		t.Fatalf("client.mjs printed no JSON line (%v):\n%s", err, stdout.String())
+	if err := json.Unmarshal(bytes.TrimSpace(stdout.Bytes()), out); err != nil {
+		t.Fatalf("%s printed no JSON line (%v):\n%s", script, err, stdout.String())
 	}
-	return out
 }
 
 func jsonEqual(a, b json.RawMessage) bool {
