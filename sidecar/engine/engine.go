@@ -279,8 +279,11 @@ func (e *Engine) run(ctx context.Context, p *Plan, owner string, fwd Forward) (O
 		stopRenew := e.renew(runCtx, p, owner)
 		up, err := fwd(runCtx)
 		stopRenew()
-		e.settle(runCtx, p, owner, up, err)
+		// The client has its response: answer it now and store after.
+		// A retry arriving meanwhile finds the claim pending and waits
+		// the moment it takes.
 		done <- err
+		e.settle(runCtx, p, owner, up, err)
 	}()
 	select {
 	case err := <-done:

@@ -494,7 +494,7 @@ func (p *Proxy) serveLegacyPost(w http.ResponseWriter, r *http.Request, s *legac
 			RequestID json.RawMessage `json:"requestId"`
 		}
 		if json.Unmarshal(msg.Params, &params) == nil && len(params.RequestID) > 0 &&
-			p.cancels.has(legacyCancelKey(s, params.RequestID)) {
+			p.swallowsCancel(legacyCancelKey(s, params.RequestID)) {
 			// A deduplicated call runs to the end for its retry (design rule 5).
 			w.WriteHeader(http.StatusAccepted)
 			return
@@ -553,10 +553,10 @@ func (p *Proxy) serveLegacyCall(w http.ResponseWriter, r *http.Request, s *legac
 	}
 	removeHopHeaders(c.header)
 	cancelKey := legacyCancelKey(s, msg.ID)
-	p.cancels.add(cancelKey)
+	call := p.cancels.Acquire(cancelKey, struct{}{})
 	// The response goes into the stream, as the server's would.
 	w.WriteHeader(http.StatusAccepted)
-	go p.runLegacyCall(s, plan, c, cancelKey)
+	go p.runLegacyCall(s, plan, c, call)
 }
 
 // legacyError answers a call the engine refused: 202 for the POST, the
@@ -570,11 +570,11 @@ func (p *Proxy) legacyError(w http.ResponseWriter, s *legacySession, id json.Raw
 	s.inject(mcpmsg.ErrorResponse(id, ee.Code, ee.Message))
 }
 
-func (p *Proxy) runLegacyCall(s *legacySession, plan *engine.Plan, c *legacyCall, cancelKey string) {
-	defer p.cancels.done(cancelKey)
+func (p *Proxy) runLegacyCall(s *legacySession, plan *engine.Plan, c *legacyCall, call *engine.Call[struct{}]) {
+	defer p.cancels.Release(call)
 	out, err := p.engine.Execute(s.client, plan, func(ctx context.Context) (engine.Upstream, error) {
-		p.cancels.add(cancelKey)
-		defer p.cancels.done(cancelKey)
+		p.cancels.Hold(call)
+		defer p.cancels.Release(call)
 		return p.forwardLegacy(ctx, s, c)
 	})
 	var ee *engine.Error

@@ -65,7 +65,7 @@ type Proxy struct {
 	client  *http.Client
 	engine  *engine.Engine
 	log     *slog.Logger
-	cancels *idSet
+	cancels *engine.InFlight[struct{}]
 	flights *flights
 	legacy  legacyHub // legacy HTTP+SSE sessions (legacy.go)
 }
@@ -104,7 +104,7 @@ func New(o Options) *Proxy {
 		opts:    o,
 		engine:  o.Engine,
 		log:     o.Logger,
-		cancels: newIDSet(),
+		cancels: engine.NewInFlight[struct{}](engine.CancelGrace),
 		flights: newFlights(),
 		client: &http.Client{
 			Transport:     o.Transport,
@@ -143,11 +143,18 @@ func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		p.rp.ServeHTTP(w, r) // GET streams, OPTIONS: untouched
 		return
 	}
+	// A server may answer before it has read the whole request (an SSE
+	// stream starts at once); without full duplex, Go's HTTP/1 server
+	// would close the request body under the proxy and cut the response.
+	_ = http.NewResponseController(w).EnableFullDuplex()
 	// 2026-07-28 names the method (and tool) in headers: most requests are
 	// classified without reading the body at all.
 	hdrMethod := r.Header.Get(HeaderMethod)
 	switch hdrMethod {
-	case "", "tools/call", "tools/list", "notifications/cancelled":
+	case "", "tools/call", "notifications/cancelled":
+	case "tools/list":
+		p.rp.ServeHTTP(w, r.WithContext(context.WithValue(r.Context(), toolsListKey, true)))
+		return
 	default:
 		p.rp.ServeHTTP(w, r)
 		return
@@ -263,14 +270,14 @@ func headerValue(h http.Header, name string) (string, bool) {
 
 func (p *Proxy) serveDedup(w http.ResponseWriter, r *http.Request, body []byte, msg *mcpmsg.Message, plan *engine.Plan) {
 	cancelKey := r.Header.Get(HeaderSessionID) + "\x00" + mcpmsg.IDKey(msg.ID)
-	p.cancels.add(cancelKey)
-	defer p.cancels.done(cancelKey)
+	call := p.cancels.Acquire(cancelKey, struct{}{})
+	defer p.cancels.Release(call)
 
 	s := &sink{w: w, rc: http.NewResponseController(w)}
 	defer s.detach()
 	out, err := p.engine.Execute(r.Context(), plan, func(ctx context.Context) (engine.Upstream, error) {
-		p.cancels.add(cancelKey)
-		defer p.cancels.done(cancelKey)
+		p.cancels.Hold(call)
+		defer p.cancels.Release(call)
 		release := p.flights.start(r.Header.Get(HeaderSessionID))
 		defer release()
 		return p.forwardDedup(ctx, r, body, msg.ID, s)
@@ -309,11 +316,11 @@ func (p *Proxy) forwardDedup(ctx context.Context, in *http.Request, body []byte,
 	removeHopHeaders(req.Header)
 	req.Header.Del("Accept-Encoding") // bytes must be readable to find the response
 	req.Host = in.Host
-	resp, err := p.client.Do(req)
+	resp, err := p.client.Do(req) //nolint:bodyclose // drainAndClose closes it once read
 	if err != nil {
 		return engine.Upstream{}, fmt.Errorf("calling the MCP server: %w", err)
 	}
-	defer func() { _ = resp.Body.Close() }()
+	defer drainAndClose(resp.Body)
 	h := resp.Header.Clone()
 	removeHopHeaders(h)
 	up := engine.Upstream{Status: resp.StatusCode}
@@ -351,6 +358,18 @@ func (p *Proxy) forwardDedup(ctx context.Context, in *http.Request, body []byte,
 	}
 }
 
+// drainAndClose reads what is left of a response body before closing it,
+// so the connection goes back to the pool instead of being torn down; a
+// server that keeps the stream open is cut off after a moment.
+func drainAndClose(body io.ReadCloser) {
+	go func() {
+		t := time.AfterFunc(2*time.Second, func() { _ = body.Close() })
+		_, _ = io.CopyN(io.Discard, body, 256<<10)
+		t.Stop()
+		_ = body.Close()
+	}()
+}
+
 func isResponseTo(data []byte, id json.RawMessage) bool {
 	if len(data) == 0 || data[0] != '{' {
 		return false
@@ -369,7 +388,7 @@ func (p *Proxy) serveCancel(w http.ResponseWriter, r *http.Request, body []byte,
 		RequestID json.RawMessage `json:"requestId"`
 	}
 	if json.Unmarshal(msg.Params, &params) == nil && len(params.RequestID) > 0 &&
-		p.cancels.has(r.Header.Get(HeaderSessionID)+"\x00"+mcpmsg.IDKey(params.RequestID)) {
+		p.swallowsCancel(r.Header.Get(HeaderSessionID)+"\x00"+mcpmsg.IDKey(params.RequestID)) {
 		w.WriteHeader(http.StatusAccepted)
 		return
 	}
@@ -393,6 +412,13 @@ func (p *Proxy) serveDelete(w http.ResponseWriter, r *http.Request) {
 		r = r.WithContext(context.WithoutCancel(r.Context()))
 	}
 	p.rp.ServeHTTP(w, r)
+}
+
+// swallowsCancel reports whether a cancel for this request id belongs to a
+// deduplicated call and must not reach the server.
+func (p *Proxy) swallowsCancel(key string) bool {
+	_, ok := p.cancels.Get(key)
+	return ok
 }
 
 func (p *Proxy) forwardBody(w http.ResponseWriter, r *http.Request, body []byte, toolsList bool) {
@@ -544,59 +570,6 @@ func (s *sink) detach() {
 	s.mu.Lock()
 	s.gone = true
 	s.mu.Unlock()
-}
-
-// idSet remembers the request ids of deduplicated calls still in flight
-// (and for a minute after), so their cancels are not forwarded.
-type idSet struct {
-	mu      sync.Mutex
-	entries map[string]*idEntry
-}
-
-type idEntry struct {
-	refs    int
-	expires time.Time
-}
-
-const cancelGrace = time.Minute
-
-func newIDSet() *idSet { return &idSet{entries: make(map[string]*idEntry)} }
-
-func (s *idSet) add(k string) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	e, ok := s.entries[k]
-	if !ok {
-		if len(s.entries) > 4096 {
-			now := time.Now()
-			for key, old := range s.entries {
-				if old.refs == 0 && now.After(old.expires) {
-					delete(s.entries, key)
-				}
-			}
-		}
-		e = &idEntry{}
-		s.entries[k] = e
-	}
-	e.refs++
-}
-
-func (s *idSet) done(k string) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if e, ok := s.entries[k]; ok {
-		e.refs--
-		if e.refs <= 0 {
-			e.expires = time.Now().Add(cancelGrace)
-		}
-	}
-}
-
-func (s *idSet) has(k string) bool {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	e, ok := s.entries[k]
-	return ok && (e.refs > 0 || time.Now().Before(e.expires))
 }
 
 // flights counts each session's deduplicated calls running upstream.

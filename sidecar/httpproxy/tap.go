@@ -69,18 +69,22 @@ func (t *tap) finish() {
 		return
 	}
 	t.finished = true
-	if !t.sse {
-		t.observe(t.buf.Bytes())
-		return
-	}
-	er := mcpmsg.NewEventReader(&t.buf, maxToolsListBytes)
-	for {
-		ev, err := er.Next()
-		if len(ev.Data) > 0 {
-			t.observe(ev.Data)
+	// Learn off the response's path: the client is not kept waiting.
+	buf, sse, observe := t.buf.Bytes(), t.sse, t.observe
+	go func() {
+		if !sse {
+			observe(buf)
+			return
 		}
-		if err != nil {
-			return // io.EOF, or a torn stream: learn from what arrived
+		er := mcpmsg.NewEventReader(bytes.NewReader(buf), maxToolsListBytes)
+		for {
+			ev, err := er.Next()
+			if len(ev.Data) > 0 {
+				observe(ev.Data)
+			}
+			if err != nil {
+				return // io.EOF, or a torn stream: learn from what arrived
+			}
 		}
-	}
+	}()
 }

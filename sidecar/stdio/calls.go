@@ -5,6 +5,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/idemcp/idemcp/sidecar/engine"
 )
 
 // dedupCall is one deduplicated tools/call from the client, from the line
@@ -15,9 +17,7 @@ type dedupCall struct {
 	// cancelled is set when the client cancelled the request: it gets no
 	// answer, but a call already running upstream goes on.
 	cancelled atomic.Bool
-
-	refs    int       // guarded by calls.mu
-	expires time.Time // guarded by calls.mu
+	entry     *engine.Call[*dedupCall]
 
 	// fwdDone is closed when this call's forward to the server ended,
 	// with fwdErr set before.
@@ -25,67 +25,37 @@ type dedupCall struct {
 	fwdErr  error
 }
 
-// cancelGrace is how long a finished call's cancels are still swallowed:
-// SDKs send the cancel asynchronously, and it may cross the response.
-const cancelGrace = time.Minute
-
-// calls are the deduplicated calls by request id (mcpmsg.IDKey).
+// calls are the deduplicated calls by request id (mcpmsg.IDKey), kept for
+// engine.CancelGrace after they end.
 type calls struct {
-	mu sync.Mutex
-	m  map[string]*dedupCall
+	set *engine.InFlight[*dedupCall]
 }
 
-func newCalls() *calls { return &calls{m: make(map[string]*dedupCall)} }
+func newCalls() *calls { return &calls{set: engine.NewInFlight[*dedupCall](engine.CancelGrace)} }
 
 // start registers a new call with one reference, or returns nil if a call
 // with this id is still in flight (a client reusing an id).
 func (t *calls) start(key string, cancel context.CancelFunc) *dedupCall {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	if old, ok := t.m[key]; ok && old.refs > 0 {
+	c := &dedupCall{cancel: cancel, fwdDone: make(chan struct{})}
+	if c.entry = t.set.Start(key, c); c.entry == nil {
 		return nil
 	}
-	if len(t.m) >= 4096 {
-		now := time.Now()
-		for k, c := range t.m {
-			if c.refs == 0 && now.After(c.expires) {
-				delete(t.m, k)
-			}
-		}
-	}
-	c := &dedupCall{cancel: cancel, refs: 1, fwdDone: make(chan struct{})}
-	t.m[key] = c
 	return c
 }
 
-func (t *calls) hold(c *dedupCall) {
-	t.mu.Lock()
-	c.refs++
-	t.mu.Unlock()
-}
-
-func (t *calls) release(c *dedupCall) {
-	t.mu.Lock()
-	c.refs--
-	if c.refs == 0 {
-		c.expires = time.Now().Add(cancelGrace)
-	}
-	t.mu.Unlock()
-}
+func (t *calls) hold(c *dedupCall)    { t.set.Hold(c.entry) }
+func (t *calls) release(c *dedupCall) { t.set.Release(c.entry) }
 
 // cancelled marks the call with this id cancelled by the client and stops
 // it waiting; it reports whether the cancel belongs to a deduplicated call
 // and must not reach the server.
 func (t *calls) cancelled(key string) bool {
-	t.mu.Lock()
-	c, ok := t.m[key]
-	live := ok && (c.refs > 0 || time.Now().Before(c.expires))
-	t.mu.Unlock()
-	if !live {
+	e, ok := t.set.Get(key)
+	if !ok {
 		return false
 	}
-	c.cancelled.Store(true)
-	c.cancel()
+	e.Value.cancelled.Store(true)
+	e.Value.cancel()
 	return true
 }
 
