@@ -61,8 +61,8 @@ test: test-deps vet ## Run every test: unit, store contract, envtest, and end to
 	assets="$$(hack/setup-envtest.sh)"; KUBEBUILDER_ASSETS="$$assets" $(GO) test -race -count=1 ./...
 
 .PHONY: bench
-bench: ## Run the Go benchmarks of the hot path.
-	$(GO) test -run '^$$' -bench . -benchmem ./sidecar/...
+bench: ## Measure the sidecar and `idemcp wrap` against same-run baselines; writes test/bench/results.md (1-2 minutes).
+	$(GO) run ./test/bench -out test/bench/results.md
 
 ##@ Build
 

@@ -1,0 +1,106 @@
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"crypto/sha256"
+	"encoding/json"
+	"fmt"
+	"os/exec"
+	"strings"
+	"testing"
+
+	"github.com/idemcp/idemcp/sidecar/canonical"
+	"github.com/idemcp/idemcp/sidecar/engine"
+)
+
+const enginePkg = "github.com/idemcp/idemcp/sidecar/engine"
+
+// What each engine benchmark (sidecar/engine/bench_test.go) covers.
+var engineBenchNotes = map[string]string{
+	"BenchmarkKeyDerivation": "parse a tools/call's params, canonicalize the arguments (RFC 8785), sha256 fingerprint and key",
+	"BenchmarkExecuted":      "a deduplicated call that runs: plan, claim in the memory store, forward (stubbed), store the result",
+	"BenchmarkReplay":        "a retry: plan, find the stored result, splice in the caller's id",
+}
+
+// The arguments of the engine benchmarks' "typical" tools/call
+// (sidecar/engine/bench_test.go), for the cost breakdown below.
+const typicalArgs = `{"card":"4242424242424242","amount":129.99,"currency":"EUR","customer":{"id":"cus_8f2k","email":"ada@example.com"},"description":"Order 10023","requestedAt":"2026-11-30T10:00:00Z"}`
+
+const typicalParams = `{"name":"charge_card","arguments":` + typicalArgs + `,"_meta":{"progressToken":7}}`
+
+func goBenchSection(w *bytes.Buffer) {
+	fmt.Fprintf(w, "\n## 3. Engine Go benchmarks (absolute figures)\n\n")
+	fmt.Fprintf(w, "`go test -run '^$' -bench . -benchmem %s`, run after the measurements above. These are\n", "./sidecar/engine/")
+	fmt.Fprintf(w, "absolute costs on this machine, not ratios: use them to see where the engine's time goes, not to compare runs.\n\n")
+	out, err := exec.Command("go", "test", "-run", "^$", "-bench", ".", "-benchmem", enginePkg).CombinedOutput()
+	rows := parseBench(out)
+	if err != nil || len(rows) == 0 {
+		fmt.Fprintf(w, "skipped: `go test` failed (%v): %s\n", err, oneLine(string(out)))
+	} else {
+		fmt.Fprintf(w, "| benchmark | ns/op | B/op | allocs/op | what it does |\n| --- | ---: | ---: | ---: | --- |\n")
+		for _, r := range rows {
+			fmt.Fprintf(w, "| %s | %s | %s | %s | %s |\n", r.name, r.nsOp, r.bOp, r.allocsOp, engineBenchNotes[baseName(r.name)])
+		}
+	}
+
+	fmt.Fprintf(w, "\nCost context, measured in this process with `testing.Benchmark` on the same typical arguments (%d bytes):\n\n", len(typicalArgs))
+	fmt.Fprintf(w, "| step | ns/op | B/op | allocs/op |\n| --- | ---: | ---: | ---: |\n")
+	canon, _ := canonical.Transform([]byte(typicalArgs))
+	steps := []struct {
+		name string
+		f    func()
+	}{
+		{"`json.Unmarshal` of the params (`engine.ParseToolCall`)", func() { _, _ = engine.ParseToolCall(json.RawMessage(typicalParams)) }},
+		{"RFC 8785 canonical form of the arguments (`canonical.Transform`)", func() { _, _ = canonical.Transform([]byte(typicalArgs)) }},
+		{fmt.Sprintf("sha256 of the canonical arguments (%d bytes)", len(canon)), func() { _ = sha256.Sum256(canon) }},
+		{"fingerprint: canonical form + sha256 (`engine.Fingerprint`)", func() { _, _ = engine.Fingerprint("charge_card", json.RawMessage(typicalArgs), nil) }},
+	}
+	for _, s := range steps {
+		r := testing.Benchmark(func(b *testing.B) {
+			b.ReportAllocs()
+			for range b.N {
+				s.f()
+			}
+		})
+		fmt.Fprintf(w, "| %s | %d | %d | %d |\n", s.name, r.NsPerOp(), r.AllocedBytesPerOp(), r.AllocsPerOp())
+	}
+}
+
+type benchRow struct{ name, nsOp, bOp, allocsOp string }
+
+// parseBench reads `go test -bench -benchmem` lines such as
+// "BenchmarkReplay-2  1000000  1234 ns/op  512 B/op  9 allocs/op".
+func parseBench(out []byte) []benchRow {
+	var rows []benchRow
+	sc := bufio.NewScanner(bytes.NewReader(out))
+	for sc.Scan() {
+		f := strings.Fields(sc.Text())
+		if len(f) < 4 || !strings.HasPrefix(f[0], "Benchmark") {
+			continue
+		}
+		r := benchRow{name: f[0]}
+		for i := 2; i+1 < len(f); i += 2 {
+			switch f[i+1] {
+			case "ns/op":
+				r.nsOp = f[i]
+			case "B/op":
+				r.bOp = f[i]
+			case "allocs/op":
+				r.allocsOp = f[i]
+			}
+		}
+		if r.nsOp != "" {
+			rows = append(rows, r)
+		}
+	}
+	return rows
+}
+
+// baseName drops the -GOMAXPROCS suffix of a benchmark name.
+func baseName(name string) string {
+	if i := strings.LastIndexByte(name, '-'); i > 0 {
+		return name[:i]
+	}
+	return name
+}
