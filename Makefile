@@ -44,8 +44,9 @@ generate: controller-gen ## Write zz_generated.deepcopy.go.
 	$(CONTROLLER_GEN) object paths="./api/..."
 
 .PHONY: verify-gen
-verify-gen: manifests generate ## Fail if generated files are stale.
-	@git diff --exit-code -- api config || { echo "generated files are stale: run 'make manifests generate' and commit"; exit 1; }
+verify-gen: manifests generate ## Fail if generated files or go.mod are stale.
+	$(GO) mod tidy
+	@git diff --exit-code -- api config go.mod go.sum || { echo "generated files are stale: run 'make manifests generate' and 'go mod tidy', and commit"; exit 1; }
 
 .PHONY: test-deps
 test-deps: ## Install what the tests need that Go does not fetch (npm packages of the TypeScript interop client).
