@@ -160,6 +160,11 @@ type Upstream struct {
 	// Status is the HTTP status (0 for transports without one); anything
 	// but 2xx releases the key.
 	Status int
+	// TooLarge reports a response the transport relayed but could not keep
+	// (over its buffer); Size is how large it was. The call ran: retries get
+	// an error instead of running it again.
+	TooLarge bool
+	Size     int64
 }
 
 // Forward sends the call upstream and relays whatever the server streams
@@ -203,13 +208,20 @@ func (e *Engine) Execute(ctx context.Context, p *Plan, fwd Forward) (Outcome, er
 	}
 	waitCtx, cancel := context.WithTimeout(ctx, p.Policy.WaitTimeout)
 	defer cancel()
+	sawPending := false
 	for {
 		r, err := e.store.Reserve(ctx, claim)
 		if err != nil {
+			// The store may have applied the claim before the error: drop
+			// it, or nobody would own it until its lease runs out.
+			e.releaseQuietly(p.Key, owner)
 			if ctx.Err() != nil {
 				return Outcome{}, ctx.Err()
 			}
 			e.metrics.StoreErrors.WithLabelValues("reserve").Inc()
+			if sawPending {
+				return Outcome{}, e.stillRunning(p, err)
+			}
 			return e.storeUnavailable(ctx, p, fwd, err)
 		}
 		if r.State != store.Won && r.Fingerprint != p.Fingerprint {
@@ -232,6 +244,7 @@ func (e *Engine) Execute(ctx context.Context, p *Plan, fwd Forward) (Outcome, er
 			return Outcome{}, &Error{Code: mcpmsg.CodeOutcomeUnknown, Message: fmt.Sprintf(
 				"outcome unknown: the first call to %q with this key stopped mid-call (its sidecar died) and onAbandoned is Error, so it is not run again; check whether it took effect", p.Tool)}
 		case store.Pending:
+			sawPending = true
 			if p.Policy.InFlight == v1alpha1.InFlightReject {
 				e.metrics.Calls.WithLabelValues(OutcomeRejected).Inc()
 				return Outcome{}, &Error{Code: mcpmsg.CodeInFlight, Message: fmt.Sprintf(
@@ -246,11 +259,28 @@ func (e *Engine) Execute(ctx context.Context, p *Plan, fwd Forward) (Outcome, er
 					return Outcome{}, &Error{Code: mcpmsg.CodeInFlight, Message: fmt.Sprintf(
 						"a call to %q with this key is still running after waiting %s (waitTimeout); retry later to get its result", p.Tool, p.Policy.WaitTimeout)}
 				}
+				// The store said another call holds this key: never
+				// forward a second one, whatever onStoreUnavailable says.
 				e.metrics.StoreErrors.WithLabelValues("wait").Inc()
-				return e.storeUnavailable(ctx, p, fwd, err)
+				return Outcome{}, e.stillRunning(p, err)
 			}
 		}
 	}
+}
+
+// stillRunning answers a duplicate whose first call holds the key when the
+// store stops answering.
+func (e *Engine) stillRunning(p *Plan, err error) error {
+	e.metrics.Calls.WithLabelValues(OutcomeRejected).Inc()
+	return &Error{Code: mcpmsg.CodeInFlight, Message: fmt.Sprintf(
+		"a call to %q with this key is running, and the idempotency store became unreachable while waiting for it (%v); retry later to get its result", p.Tool, err)}
+}
+
+// releaseQuietly drops a claim this owner may hold, best effort.
+func (e *Engine) releaseQuietly(key, owner string) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	_ = e.store.Release(ctx, key, owner)
 }
 
 func (e *Engine) storeUnavailable(ctx context.Context, p *Plan, fwd Forward, err error) (Outcome, error) {
@@ -277,8 +307,15 @@ func (e *Engine) run(ctx context.Context, p *Plan, owner string, fwd Forward) (O
 		defer e.running.Done()
 		runCtx := context.WithoutCancel(ctx)
 		stopRenew := e.renew(runCtx, p, owner)
+		defer stopRenew() // the lease lives until the result is stored
 		up, err := fwd(runCtx)
-		stopRenew()
+		if p.Policy.InFlight == v1alpha1.InFlightReject {
+			// A retry right after the answer must find the result, not a
+			// claim it would be refused for.
+			e.settle(runCtx, p, owner, up, err)
+			done <- err
+			return
+		}
 		// The client has its response: answer it now and store after.
 		// A retry arriving meanwhile finds the claim pending and waits
 		// the moment it takes.
@@ -357,6 +394,8 @@ func (e *Engine) settle(ctx context.Context, p *Plan, owner string, up Upstream,
 		reason = ReasonTransport
 	case up.Status != 0 && (up.Status < 200 || up.Status > 299):
 		reason = ReasonHTTPStatus
+	case up.TooLarge:
+		stored, reason = tooLargeMarker(p, int(up.Size)), ReasonTooLarge
 	case up.Response == nil:
 		reason = ReasonTransport
 	default:
@@ -364,7 +403,7 @@ func (e *Engine) settle(ctx context.Context, p *Plan, owner string, up Upstream,
 	}
 	if reason != "" && reason != ReasonTooLarge {
 		e.metrics.NotStored.WithLabelValues(reason).Inc()
-		if rerr := e.store.Release(ctx, p.Key, owner); rerr != nil {
+		if rerr := e.retryStore(ctx, func(ctx context.Context) error { return e.store.Release(ctx, p.Key, owner) }); rerr != nil {
 			e.storeWriteFailed("release", p, rerr)
 		}
 		return
@@ -374,8 +413,28 @@ func (e *Engine) settle(ctx context.Context, p *Plan, owner string, up Upstream,
 		e.log.Warn("Result over maxResultBytes was forwarded but not stored; retries get an error, not a second run",
 			"tool", p.Tool, "bytes", len(up.Response), "maxResultBytes", p.Policy.MaxResultBytes)
 	}
-	if cerr := e.store.Complete(ctx, p.Key, owner, stored, p.Rule.TTL); cerr != nil {
+	if cerr := e.retryStore(ctx, func(ctx context.Context) error { return e.store.Complete(ctx, p.Key, owner, stored, p.Rule.TTL) }); cerr != nil {
 		e.storeWriteFailed("complete", p, cerr)
+	}
+}
+
+// storeRetries bound how long a result is retried into a store that fails:
+// a lost Complete would let the lease run out and a retry run the tool
+// again, so a blip (or a Sentinel failover) is waited out while the lease
+// is renewed.
+var storeRetries = []time.Duration{50 * time.Millisecond, 200 * time.Millisecond, 500 * time.Millisecond, time.Second, 2 * time.Second, 4 * time.Second, 8 * time.Second}
+
+func (e *Engine) retryStore(ctx context.Context, op func(context.Context) error) error {
+	var err error
+	for i := 0; ; i++ {
+		opCtx, cancel := context.WithTimeout(ctx, 5*time.Second)
+		err = op(opCtx)
+		cancel()
+		if err == nil || errors.Is(err, store.ErrNotOwner) || i == len(storeRetries) {
+			return err
+		}
+		e.metrics.StoreErrors.WithLabelValues("retry").Inc()
+		time.Sleep(storeRetries[i])
 	}
 }
 
@@ -399,23 +458,31 @@ func (e *Engine) replayable(p *Plan, resp []byte) ([]byte, string) {
 	if err := json.Unmarshal(resp, &m); err != nil || (len(m.Error) == 0 && len(m.Result) == 0) {
 		return nil, ReasonTransport
 	}
+	tooLarge := int64(len(resp)) > p.Policy.MaxResultBytes
 	if len(m.Error) > 0 && string(m.Error) != "null" {
 		return nil, ReasonRPCError
+	}
+	var kind struct {
+		ResultType string `json:"resultType"`
+		IsError    bool   `json:"isError"`
+	}
+	if err := json.Unmarshal(m.Result, &kind); err != nil {
+		return nil, ReasonTransport
+	}
+	if kind.ResultType == "input_required" {
+		return nil, ReasonInputRequired
+	}
+	if kind.IsError && !p.Rule.CacheToolErrors {
+		return nil, ReasonToolError
+	}
+	if tooLarge {
+		// Keep a marker, not the result: a retry learns the call ran
+		// instead of running it a second time.
+		return tooLargeMarker(p, len(resp)), ReasonTooLarge
 	}
 	var res map[string]json.RawMessage
 	if err := json.Unmarshal(m.Result, &res); err != nil {
 		return nil, ReasonTransport
-	}
-	if rt, ok := res["resultType"]; ok && string(rt) == `"input_required"` {
-		return nil, ReasonInputRequired
-	}
-	if ie, ok := res["isError"]; ok && string(ie) == "true" && !p.Rule.CacheToolErrors {
-		return nil, ReasonToolError
-	}
-	if int64(len(resp)) > p.Policy.MaxResultBytes {
-		// Keep a marker, not the result: a retry learns the call ran
-		// instead of running it a second time.
-		return tooLargeMarker(p, len(resp)), ReasonTooLarge
 	}
 	meta := map[string]json.RawMessage{}
 	if raw, ok := res["_meta"]; ok {

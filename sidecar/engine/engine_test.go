@@ -6,7 +6,9 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/idemcp/idemcp/api/v1alpha1"
 	"github.com/idemcp/idemcp/sidecar/mcpmsg"
@@ -251,4 +253,96 @@ type downStore struct{ store.Store }
 
 func (downStore) Reserve(context.Context, store.Claim) (store.Reservation, error) {
 	return store.Reservation{}, fmt.Errorf("dial tcp: connection refused: %w", store.ErrUnavailable)
+}
+
+func (downStore) Release(context.Context, string, string) error {
+	return fmt.Errorf("dial tcp: connection refused: %w", store.ErrUnavailable)
+}
+
+// flakyStore is the memory store with faults injected where a test says.
+type flakyStore struct {
+	*store.Memory
+	failWait     bool
+	failComplete atomic.Int32 // fail this many Completes
+}
+
+func (f *flakyStore) Wait(ctx context.Context, key string) error {
+	if f.failWait {
+		return fmt.Errorf("read tcp: i/o timeout: %w", store.ErrUnavailable)
+	}
+	return f.Memory.Wait(ctx, key)
+}
+
+func (f *flakyStore) Complete(ctx context.Context, key, owner string, resp []byte, ttl time.Duration) error {
+	if f.failComplete.Add(-1) >= 0 {
+		return fmt.Errorf("read tcp: i/o timeout: %w", store.ErrUnavailable)
+	}
+	return f.Memory.Complete(ctx, key, owner, resp, ttl)
+}
+
+// A duplicate waiting on a running call never becomes a second execution
+// when the store stops answering, even with FailOpen.
+func TestWaitErrorNeverForwardsADuplicate(t *testing.T) {
+	fs := &flakyStore{Memory: store.NewMemory(0), failWait: true}
+	e := New(Options{Policy: mustPolicy(t, "spec: {defaultMode: Deduplicate, onStoreUnavailable: FailOpen}"), Store: fs})
+	tc, _ := ParseToolCall(json.RawMessage(`{"name":"t"}`))
+	p, _ := e.Plan(tc, Caller{})
+	release := make(chan struct{})
+	var ran atomic.Int32
+	fwd := func(context.Context) (Upstream, error) {
+		ran.Add(1)
+		<-release
+		return Upstream{Response: []byte(`{"result":{}}`), Status: 200}, nil
+	}
+	go func() { _, _ = e.Execute(context.Background(), p, fwd) }()
+	for ran.Load() == 0 {
+		time.Sleep(time.Millisecond)
+	}
+	_, err := e.Execute(context.Background(), p, fwd)
+	close(release)
+	var ee *Error
+	if !errors.As(err, &ee) || ee.Code != mcpmsg.CodeInFlight || ran.Load() != 1 {
+		t.Fatalf("duplicate: err %v, ran %d; want in-flight error and 1 run", err, ran.Load())
+	}
+}
+
+// A store blip when the result is stored is retried, so the result is not
+// lost and the retry does not run the tool again.
+func TestCompleteIsRetried(t *testing.T) {
+	fs := &flakyStore{Memory: store.NewMemory(0)}
+	fs.failComplete.Store(2)
+	e := New(Options{Policy: mustPolicy(t, "spec: {defaultMode: Deduplicate}"), Store: fs})
+	tc, _ := ParseToolCall(json.RawMessage(`{"name":"t"}`))
+	p, _ := e.Plan(tc, Caller{})
+	ran := 0
+	fwd := func(context.Context) (Upstream, error) {
+		ran++
+		return Upstream{Response: []byte(`{"result":{"ok":true}}`), Status: 200}, nil
+	}
+	if _, err := e.Execute(context.Background(), p, fwd); err != nil {
+		t.Fatal(err)
+	}
+	out, err := e.Execute(context.Background(), p, fwd)
+	if err != nil || out.Kind != Replayed || ran != 1 {
+		t.Fatalf("retry: %v %v, ran %d; want a replay and 1 run", out.Kind, err, ran)
+	}
+}
+
+// A response the transport could not keep is not released: the call ran.
+func TestTooLargeUpstreamIsNotRunAgain(t *testing.T) {
+	e := New(Options{Policy: mustPolicy(t, "spec: {defaultMode: Deduplicate}"), Store: store.NewMemory(0)})
+	tc, _ := ParseToolCall(json.RawMessage(`{"name":"t"}`))
+	p, _ := e.Plan(tc, Caller{})
+	ran := 0
+	fwd := func(context.Context) (Upstream, error) {
+		ran++
+		return Upstream{TooLarge: true, Size: 100 << 20, Status: 200}, nil
+	}
+	if _, err := e.Execute(context.Background(), p, fwd); err != nil {
+		t.Fatal(err)
+	}
+	out, err := e.Execute(context.Background(), p, fwd)
+	if err != nil || out.Kind != Replayed || ran != 1 || !strings.Contains(string(out.Response), `"code":-32014`) {
+		t.Fatalf("retry: %v %s %v, ran %d; want the not-stored error replayed, 1 run", out.Kind, out.Response, err, ran)
+	}
 }

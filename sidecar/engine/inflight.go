@@ -2,14 +2,32 @@ package engine
 
 import (
 	"container/list"
+	"crypto/sha256"
+	"encoding/json"
 	"sync"
 	"time"
+
+	"github.com/idemcp/idemcp/sidecar/mcpmsg"
 )
 
 // CancelGrace is how long after a deduplicated call ended its request id is
 // still known, so a cancel that crossed the response is still swallowed
 // (SDKs send cancels asynchronously).
 const CancelGrace = time.Minute
+
+// CancelKey names a call in an InFlight set: a hash of who sent it (parts
+// such as the principal and session) and its request id, so a client-chosen
+// id of any length costs a fixed 32 bytes and never matches another
+// caller's call.
+func CancelKey(id json.RawMessage, parts ...string) string {
+	h := sha256.New()
+	for _, p := range parts {
+		h.Write([]byte(p))
+		h.Write([]byte{0})
+	}
+	h.Write([]byte(mcpmsg.IDKey(id)))
+	return string(h.Sum(nil))
+}
 
 // InFlight remembers the deduplicated calls of a transport by request id
 // while they are referenced, and for CancelGrace after their last release,

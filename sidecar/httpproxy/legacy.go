@@ -504,8 +504,7 @@ func (p *Proxy) serveLegacyPost(w http.ResponseWriter, r *http.Request, s *legac
 }
 
 func legacyCancelKey(s *legacySession, id json.RawMessage) string {
-	// Streamable HTTP keys start with a session header, which holds no NUL.
-	return "\x00legacy:" + s.endpoint + "\x00" + mcpmsg.IDKey(id)
+	return engine.CancelKey(id, "legacy", s.endpoint)
 }
 
 // legacyCall is a deduplicated call's request, kept past its POST handler.

@@ -36,7 +36,7 @@ const (
 // Defaults for Options.
 const (
 	DefaultMaxBodyBytes     = 4 << 20
-	DefaultMaxResponseBytes = 64 << 20
+	DefaultMaxResponseBytes = 16 << 20
 	DefaultDeleteHold       = 5 * time.Minute
 )
 
@@ -269,7 +269,7 @@ func headerValue(h http.Header, name string) (string, bool) {
 }
 
 func (p *Proxy) serveDedup(w http.ResponseWriter, r *http.Request, body []byte, msg *mcpmsg.Message, plan *engine.Plan) {
-	cancelKey := r.Header.Get(HeaderSessionID) + "\x00" + mcpmsg.IDKey(msg.ID)
+	cancelKey := p.cancelKey(r, msg.ID)
 	call := p.cancels.Acquire(cancelKey, struct{}{})
 	defer p.cancels.Release(call)
 
@@ -326,17 +326,18 @@ func (p *Proxy) forwardDedup(ctx context.Context, in *http.Request, body []byte,
 	up := engine.Upstream{Status: resp.StatusCode}
 	mt, _, _ := mime.ParseMediaType(resp.Header.Get("Content-Type"))
 	if resp.StatusCode < 200 || resp.StatusCode > 299 || mt != "text/event-stream" {
-		data, err := io.ReadAll(io.LimitReader(resp.Body, p.opts.MaxResponseBytes+1))
+		s.header(resp.StatusCode, h)
+		// Relay as it comes; keep a copy up to --max-response-bytes.
+		keep := &capped{limit: p.opts.MaxResponseBytes}
+		n, err := io.Copy(io.MultiWriter(s, keep), resp.Body)
 		if err != nil {
 			return engine.Upstream{}, fmt.Errorf("reading the MCP server's response: %w", err)
 		}
-		if int64(len(data)) > p.opts.MaxResponseBytes {
-			return engine.Upstream{}, fmt.Errorf("the MCP server's response is over %d bytes (--max-response-bytes)", p.opts.MaxResponseBytes)
-		}
-		s.header(resp.StatusCode, h)
-		s.write(data)
-		if up.Status >= 200 && up.Status <= 299 && len(data) > 0 {
-			up.Response = data
+		switch {
+		case keep.over:
+			up.TooLarge, up.Size = true, n
+		case len(keep.buf) > 0 && up.Status >= 200 && up.Status <= 299:
+			up.Response = keep.buf
 		}
 		return up, nil
 	}
@@ -346,6 +347,14 @@ func (p *Proxy) forwardDedup(ctx context.Context, in *http.Request, body []byte,
 		ev, err := er.Next()
 		if errors.Is(err, io.EOF) {
 			return up, nil // the stream ended without our response
+		}
+		if errors.Is(err, mcpmsg.ErrEventTooLarge) {
+			// Most likely the response itself: relay the rest untouched,
+			// and count the call as run, not as failed.
+			s.write(ev.Raw)
+			n, _ := io.Copy(s, er.Rest())
+			up.TooLarge, up.Size = true, int64(len(ev.Raw))+n
+			return up, nil
 		}
 		if err != nil {
 			return engine.Upstream{}, fmt.Errorf("reading the MCP server's event stream: %w", err)
@@ -370,6 +379,25 @@ func drainAndClose(body io.ReadCloser) {
 	}()
 }
 
+// capped keeps what is written to it up to limit bytes; past that it keeps
+// nothing and says so.
+type capped struct {
+	buf   []byte
+	limit int64
+	over  bool
+}
+
+func (c *capped) Write(b []byte) (int, error) {
+	if !c.over {
+		if int64(len(c.buf)+len(b)) > c.limit {
+			c.over, c.buf = true, nil
+		} else {
+			c.buf = append(c.buf, b...)
+		}
+	}
+	return len(b), nil
+}
+
 func isResponseTo(data []byte, id json.RawMessage) bool {
 	if len(data) == 0 || data[0] != '{' {
 		return false
@@ -388,7 +416,7 @@ func (p *Proxy) serveCancel(w http.ResponseWriter, r *http.Request, body []byte,
 		RequestID json.RawMessage `json:"requestId"`
 	}
 	if json.Unmarshal(msg.Params, &params) == nil && len(params.RequestID) > 0 &&
-		p.swallowsCancel(r.Header.Get(HeaderSessionID)+"\x00"+mcpmsg.IDKey(params.RequestID)) {
+		p.swallowsCancel(p.cancelKey(r, params.RequestID)) {
 		w.WriteHeader(http.StatusAccepted)
 		return
 	}
@@ -412,6 +440,13 @@ func (p *Proxy) serveDelete(w http.ResponseWriter, r *http.Request) {
 		r = r.WithContext(context.WithoutCancel(r.Context()))
 	}
 	p.rp.ServeHTTP(w, r)
+}
+
+// cancelKey names a request of this caller: principal and session (a
+// stateless server's callers have no session, so their principals tell
+// them apart).
+func (p *Proxy) cancelKey(r *http.Request, id json.RawMessage) string {
+	return engine.CancelKey(id, "http", r.Header.Get(p.engine.Policy().PrincipalHeader), r.Header.Get(HeaderSessionID))
 }
 
 // swallowsCancel reports whether a cancel for this request id belongs to a
@@ -564,6 +599,12 @@ func (s *sink) write(b []byte) {
 		return
 	}
 	_ = s.rc.Flush()
+}
+
+// Write lets the sink be an io.Writer; a client that left swallows it all.
+func (s *sink) Write(b []byte) (int, error) {
+	s.write(b)
+	return len(b), nil
 }
 
 func (s *sink) detach() {

@@ -27,8 +27,13 @@ func NewEventReader(r io.Reader, maxSize int) *EventReader {
 	return &EventReader{r: bufio.NewReaderSize(r, 32<<10), maxSize: maxSize}
 }
 
-// ErrEventTooLarge is returned for an event over the reader's limit.
+// ErrEventTooLarge is returned for an event over the reader's limit, with
+// what was read of it so far; the rest of the stream is Rest.
 var ErrEventTooLarge = errors.New("server-sent event over the size limit")
+
+// Rest is the stream after what Next returned, for a caller that stops
+// parsing (after ErrEventTooLarge) and copies the rest as it is.
+func (er *EventReader) Rest() io.Reader { return er.r }
 
 // Next returns the next event. At the end of the stream it returns io.EOF;
 // a partial event at the end is returned with io.ErrUnexpectedEOF.
@@ -42,7 +47,7 @@ func (er *EventReader) Next() (Event, error) {
 			full := append([]byte(nil), line...)
 			for errors.Is(err, bufio.ErrBufferFull) {
 				if len(raw)+len(full) > er.maxSize {
-					return Event{}, ErrEventTooLarge
+					return Event{Raw: append(raw, full...)}, ErrEventTooLarge
 				}
 				line, err = er.r.ReadSlice('\n')
 				full = append(full, line...)
@@ -52,7 +57,7 @@ func (er *EventReader) Next() (Event, error) {
 		if len(line) > 0 {
 			raw = append(raw, line...)
 			if len(raw) > er.maxSize {
-				return Event{}, fmt.Errorf("%w (%d bytes)", ErrEventTooLarge, er.maxSize)
+				return Event{Raw: raw}, fmt.Errorf("%w (%d bytes)", ErrEventTooLarge, er.maxSize)
 			}
 		}
 		content := bytes.TrimRight(line, "\r\n")

@@ -66,6 +66,9 @@ type pending struct {
 	done chan struct{}
 	resp []byte
 	err  error
+	// tooLarge is the size of a response that was over the limit: the
+	// call ran, its response was dropped.
+	tooLarge int64
 }
 
 // router hands the server's responses to the deduplicated calls waiting

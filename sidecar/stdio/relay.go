@@ -120,7 +120,7 @@ func (w *Wrapper) swallowCancel(msg *mcpmsg.Message) bool {
 	if json.Unmarshal(msg.Params, &params) != nil || len(params.RequestID) == 0 {
 		return false
 	}
-	if !w.calls.cancelled(mcpmsg.IDKey(params.RequestID)) {
+	if !w.calls.cancelled(engine.CancelKey(params.RequestID)) {
 		return false
 	}
 	w.log.Debug("Kept the client's cancel of a deduplicated call from the MCP server; the call goes on and its result is kept", "requestId", string(params.RequestID))
@@ -156,7 +156,7 @@ func (w *Wrapper) onToolCall(line []byte, msg *mcpmsg.Message) {
 func (w *Wrapper) dedup(line []byte, id json.RawMessage, plan *engine.Plan) {
 	key := mcpmsg.IDKey(id)
 	ctx, cancel := context.WithCancel(w.base)
-	c := w.calls.start(key, cancel)
+	c := w.calls.start(engine.CancelKey(id), cancel)
 	if c == nil {
 		cancel()
 		w.refuse(id, mcpmsg.CodeInvalidRequest, fmt.Sprintf("request id %s is already used by a call in flight", id))
@@ -198,6 +198,9 @@ func (w *Wrapper) forward(line []byte, key string, c *dedupCall) (engine.Upstrea
 	<-p.done
 	if p.err != nil {
 		return engine.Upstream{}, p.err
+	}
+	if p.tooLarge > 0 {
+		return engine.Upstream{TooLarge: true, Size: p.tooLarge}, nil
 	}
 	return engine.Upstream{Response: p.resp}, nil
 }
@@ -314,13 +317,16 @@ func (w *Wrapper) childLineTooLong(o *overlong) {
 	case o.id != nil && o.method:
 		_ = w.childIn.writeLine(mcpmsg.ErrorResponse(o.id, mcpmsg.CodeInternalError, why+"; idemcp dropped it"))
 	case o.id != nil:
-		msg := why + "; idemcp dropped it, and did not store it"
 		if p := w.router.take(mcpmsg.IDKey(o.id)); p != nil {
-			p.err = &upstreamError{code: mcpmsg.CodeInternalError, msg: msg}
+			// A deduplicated call ran: its retries get an error rather
+			// than a second run.
+			_ = w.out.writeLine(mcpmsg.ErrorResponse(o.id, mcpmsg.CodeResultNotStored,
+				why+"; idemcp dropped it; the call ran, so a retry gets this error instead of running it again"))
+			p.tooLarge = o.size
 			close(p.done)
 			return
 		}
-		_ = w.out.writeLine(mcpmsg.ErrorResponse(o.id, mcpmsg.CodeInternalError, msg))
+		_ = w.out.writeLine(mcpmsg.ErrorResponse(o.id, mcpmsg.CodeInternalError, why+"; idemcp dropped it"))
 	}
 }
 

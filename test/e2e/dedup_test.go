@@ -4,12 +4,14 @@ import (
 	"context"
 	"encoding/json"
 	"net/http"
+	"net/http/httptest"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/modelcontextprotocol/go-sdk/mcp"
 
+	"github.com/idemcp/idemcp/sidecar"
 	"github.com/idemcp/idemcp/sidecar/mcpmsg"
 	"github.com/idemcp/idemcp/test/mcpserver"
 )
@@ -440,4 +442,34 @@ func remarshal(t *testing.T, in, out any) {
 	if err := json.Unmarshal(b, out); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// TestResponseOverRelayBufferIsNotRunAgain: a response larger than the
+// sidecar keeps (--max-response-bytes) still reaches its client whole, and
+// the call, which ran, is not run again by a retry.
+func TestResponseOverRelayBufferIsNotRunAgain(t *testing.T) {
+	forEachRevision(t, func(t *testing.T, rev revision) {
+		h := newHarness(t, rev, "", nil)
+		sc, err := sidecar.New(sidecar.Options{Upstream: h.upstream.URL, LogLevel: "error", MaxResponseBytes: 2048})
+		if err != nil {
+			t.Fatal(err)
+		}
+		proxy := httptest.NewServer(sc.Handler())
+		t.Cleanup(proxy.Close) // after the client's session closes
+		cs := h.connect(t, proxy.URL, clientOpts{})
+		args := map[string]any{"card": "4242", "amount": 1, "size": 4096}
+		res := mustCall(t, cs, "charge_card", args, nil)
+		var out mcpserver.ChargeResult
+		remarshal(t, res.StructuredContent, &out)
+		if len(out.Padding) != 4096 {
+			t.Fatalf("the first call got %d bytes of padding, want all 4096", len(out.Padding))
+		}
+		_, err = call(context.Background(), cs, "charge_card", args, nil)
+		if rpcCode(err) != mcpmsg.CodeResultNotStored {
+			t.Fatalf("retry: %v, want code %d", err, mcpmsg.CodeResultNotStored)
+		}
+		if n := h.srv.Counts.Get("charge_card"); n != 1 {
+			t.Fatalf("charge_card ran %d times, want 1", n)
+		}
+	})
 }
