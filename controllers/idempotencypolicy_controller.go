@@ -228,6 +228,9 @@ func (r *IdempotencyPolicyReconciler) reconcileManagedRedis(ctx context.Context,
 	st := storeState{endpoint: RedisEndpoint(p)}
 	if available {
 		st.status, st.reason, st.message = metav1.ConditionTrue, v1alpha1.ReasonRedisAvailable, "managed Redis "+name+" is available at "+st.endpoint
+		if p.Spec.Store.Redis.Managed.Storage == nil {
+			st.message += "; it has no persistent volume, so a restart of its pod loses stored results and claims in flight: set store.redis.managed.storage to keep them"
+		}
 	} else {
 		st.status, st.reason = metav1.ConditionFalse, v1alpha1.ReasonRedisProvisioning
 		st.message = fmt.Sprintf("managed Redis %s has no available replica yet; see kubectl -n %s describe pods -l app.kubernetes.io/instance=%s", name, p.Namespace, name)

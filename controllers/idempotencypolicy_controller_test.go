@@ -217,7 +217,7 @@ func TestManagedRedis(t *testing.T) {
 	}
 	c := dep.Spec.Template.Spec.Containers[0]
 	args := strings.Join(c.Args, " ")
-	for _, want := range []string{"/etc/redis/redis.conf", "--appendonly yes", "--maxmemory-policy noeviction"} {
+	for _, want := range []string{"/etc/redis/redis.conf", "--appendonly yes", "--maxmemory-policy noeviction", "--maxmemory 201326592"} {
 		if !strings.Contains(args, want) {
 			t.Errorf("redis args %q lack %q", args, want)
 		}

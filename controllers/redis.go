@@ -4,6 +4,7 @@ import (
 	"crypto/rand"
 	"encoding/base64"
 	"fmt"
+	"strconv"
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
@@ -120,6 +121,12 @@ func redisPodSpec(p *v1alpha1.IdempotencyPolicy, image string) corev1.PodSpec {
 			Requests: corev1.ResourceList{corev1.ResourceCPU: resource.MustParse("50m"), corev1.ResourceMemory: resource.MustParse("64Mi")},
 			Limits:   corev1.ResourceList{corev1.ResourceMemory: resource.MustParse("256Mi")},
 		}
+	}
+	if limit := c.Resources.Limits.Memory(); limit != nil && !limit.IsZero() {
+		// noeviction needs a maxmemory: without one Redis grows until the
+		// kernel kills it, losing the claims it held. 75% leaves room for
+		// the append-only rewrite.
+		c.Args = append(c.Args, "--maxmemory", strconv.FormatInt(limit.Value()*3/4, 10))
 	}
 	spec := corev1.PodSpec{
 		Containers:                   []corev1.Container{c},

@@ -147,11 +147,15 @@ func Inject(pod *corev1.Pod, p *v1alpha1.IdempotencyPolicy, policyHash string, c
 	// Port swap: a Service with targetPort: mcp now reaches the sidecar.
 	proxyPortName := ""
 	for i := range pod.Spec.Containers {
-		for j := range pod.Spec.Containers[i].Ports {
-			cp := &pod.Spec.Containers[i].Ports[j]
+		c := &pod.Spec.Containers[i]
+		for j := range c.Ports {
+			cp := &c.Ports[j]
 			if cp.Name == PortNameMCP && cp.ContainerPort == port {
 				cp.Name = PortNameRenamed
 				proxyPortName = PortNameMCP
+				// The kubelet resolves a probe's named port in its own
+				// container: the server's probes keep their port by number.
+				renamePortRefs(c, PortNameMCP, port)
 			}
 		}
 	}
@@ -188,6 +192,40 @@ func Inject(pod *corev1.Pod, p *v1alpha1.IdempotencyPolicy, policyHash string, c
 	}
 	pod.Annotations[AnnotationStatus] = string(status)
 	return nil
+}
+
+// renamePortRefs points the container's probes and lifecycle hooks that
+// name port at its number instead.
+func renamePortRefs(c *corev1.Container, name string, number int32) {
+	fix := func(h *corev1.ProbeHandler) {
+		if h == nil {
+			return
+		}
+		if h.HTTPGet != nil && h.HTTPGet.Port.Type == intstr.String && h.HTTPGet.Port.StrVal == name {
+			h.HTTPGet.Port = intstr.FromInt32(number)
+		}
+		if h.TCPSocket != nil && h.TCPSocket.Port.Type == intstr.String && h.TCPSocket.Port.StrVal == name {
+			h.TCPSocket.Port = intstr.FromInt32(number)
+		}
+	}
+	for _, p := range []*corev1.Probe{c.ReadinessProbe, c.LivenessProbe, c.StartupProbe} {
+		if p != nil {
+			fix(&p.ProbeHandler)
+		}
+	}
+	if c.Lifecycle != nil {
+		for _, h := range []*corev1.LifecycleHandler{c.Lifecycle.PostStart, c.Lifecycle.PreStop} {
+			if h == nil {
+				continue
+			}
+			if h.HTTPGet != nil && h.HTTPGet.Port.Type == intstr.String && h.HTTPGet.Port.StrVal == name {
+				h.HTTPGet.Port = intstr.FromInt32(number)
+			}
+			if h.TCPSocket != nil && h.TCPSocket.Port.Type == intstr.String && h.TCPSocket.Port.StrVal == name {
+				h.TCPSocket.Port = intstr.FromInt32(number)
+			}
+		}
+	}
 }
 
 // policySnapshot is the policy the sidecar enforces from its first request,
@@ -230,6 +268,10 @@ func sidecarContainer(p *v1alpha1.IdempotencyPolicy, cfg Config, upstream int32,
 			// Secrets never travel in the policy: the kubelet resolves this.
 			env = append(env, corev1.EnvVar{Name: "IDEMCP_REDIS_PASSWORD", ValueFrom: &corev1.EnvVarSource{SecretKeyRef: ref}})
 		}
+	}
+	if limit := cfg.Resources.Limits.Memory(); limit != nil && !limit.IsZero() {
+		// Let the Go runtime collect before the kernel kills: 80% of the limit.
+		env = append(env, corev1.EnvVar{Name: "GOMEMLIMIT", Value: strconv.FormatInt(limit.Value()*8/10, 10)})
 	}
 	if cfg.PolicyEndpoint != "" {
 		env = append(env, corev1.EnvVar{Name: "IDEMCP_POLICY_ENDPOINT", Value: cfg.PolicyEndpoint})

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -159,6 +160,28 @@ func TestInjectsOptedInPod(t *testing.T) {
 	}
 	if !equality.Semantic.DeepEqual(before, again) {
 		t.Error("re-running the defaulter changed an injected pod")
+	}
+}
+
+func TestServerProbesKeepTheirPort(t *testing.T) {
+	ns := namespace(t, true)
+	createPolicy(t, ns, "payments", v1alpha1.IdempotencyPolicySpec{})
+	pod := mcpPod(ns, "probed", optIn)
+	pod.Spec.Containers[0].ReadinessProbe = &corev1.Probe{ProbeHandler: corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/health", Port: intstr.FromString("mcp")}}}
+	pod.Spec.Containers[0].LivenessProbe = &corev1.Probe{ProbeHandler: corev1.ProbeHandler{TCPSocket: &corev1.TCPSocketAction{Port: intstr.FromString("mcp")}}}
+	if err := k8s.Create(context.Background(), pod); err != nil {
+		t.Fatal(err)
+	}
+	c := pod.Spec.Containers[0]
+	if p := c.ReadinessProbe.HTTPGet.Port; p.Type != intstr.Int || p.IntVal != 8080 {
+		t.Errorf("readiness probe port %s, want 8080: the renamed port no longer resolves in the server's container", p.String())
+	}
+	if p := c.LivenessProbe.TCPSocket.Port; p.Type != intstr.Int || p.IntVal != 8080 {
+		t.Errorf("liveness probe port %s, want 8080", p.String())
+	}
+	sc, _ := sidecarOf(t, pod)
+	if e := envValue(sc, "GOMEMLIMIT"); e == nil || e.Value != strconv.Itoa(128<<20*8/10) {
+		t.Errorf("GOMEMLIMIT %+v, want 80%% of the 128Mi limit", e)
 	}
 }
 

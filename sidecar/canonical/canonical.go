@@ -5,11 +5,8 @@
 package canonical
 
 import (
-	"bytes"
 	"encoding/json"
-	"errors"
 	"fmt"
-	"io"
 	"math"
 	"slices"
 	"strconv"
@@ -17,22 +14,6 @@ import (
 	"unicode/utf16"
 	"unicode/utf8"
 )
-
-// Decode parses JSON into the value tree the other functions take: objects
-// are map[string]any, arrays []any and numbers json.Number, so no precision
-// is lost before canonicalization. Trailing data is an error.
-func Decode(data []byte) (any, error) {
-	dec := json.NewDecoder(bytes.NewReader(data))
-	dec.UseNumber()
-	var v any
-	if err := dec.Decode(&v); err != nil {
-		return nil, err
-	}
-	if _, err := dec.Token(); !errors.Is(err, io.EOF) {
-		return nil, errors.New("unexpected data after the JSON value")
-	}
-	return v, nil
-}
 
 // Transform returns the canonical form of a JSON document.
 func Transform(data []byte) ([]byte, error) {
@@ -61,6 +42,13 @@ func Append(buf []byte, v any) ([]byte, error) {
 			// ParseFloat reports out-of-range values with ±Inf, which
 			// JSON cannot carry: refuse rather than hash something wrong.
 			return nil, fmt.Errorf("number %s is out of the IEEE 754 range", x)
+		}
+		if !fitsFloat64(string(x), f) {
+			// RFC 8785 would round this to a double, and two different
+			// ids (9007199254740993 and 9007199254740992) would hash the
+			// same. Keep its exact value instead, in a form no double's
+			// canonical text takes.
+			return appendExact(buf, string(x)), nil
 		}
 		return AppendNumber(buf, f)
 	case float64:
@@ -99,6 +87,45 @@ func Append(buf []byte, v any) ([]byte, error) {
 	default:
 		return nil, fmt.Errorf("canonical: unsupported type %T", v)
 	}
+}
+
+// decimal splits a JSON number literal into sign, significant digits (no
+// leading or trailing zeros) and the exponent of its last digit.
+func decimal(lit string) (neg bool, digits string, exp int) {
+	if lit != "" && lit[0] == '-' {
+		neg, lit = true, lit[1:]
+	}
+	mant, e, _ := strings.Cut(strings.ToLower(lit), "e")
+	if e != "" {
+		exp, _ = strconv.Atoi(e)
+	}
+	intPart, frac, _ := strings.Cut(mant, ".")
+	digits = strings.TrimLeft(intPart+frac, "0")
+	exp -= len(frac)
+	trimmed := strings.TrimRight(digits, "0")
+	exp += len(digits) - len(trimmed)
+	return neg, trimmed, exp
+}
+
+// fitsFloat64 reports whether the double f holds exactly the decimal value
+// the literal wrote, up to the precision a double's shortest form carries.
+func fitsFloat64(lit string, f float64) bool {
+	_, litDigits, litExp := decimal(lit)
+	if len(litDigits) <= 15 {
+		return true // every such decimal round-trips through a double
+	}
+	_, fDigits, fExp := decimal(strconv.FormatFloat(f, 'e', -1, 64))
+	return litDigits == fDigits && litExp == fExp
+}
+
+func appendExact(buf []byte, lit string) []byte {
+	neg, digits, exp := decimal(lit)
+	if neg {
+		buf = append(buf, '-')
+	}
+	buf = append(buf, digits...)
+	buf = append(buf, 'e')
+	return strconv.AppendInt(buf, int64(exp), 10)
 }
 
 // AppendNumber appends f as ECMAScript's Number.prototype.toString writes it.

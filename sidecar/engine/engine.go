@@ -335,6 +335,15 @@ func (e *Engine) run(ctx context.Context, p *Plan, owner string, fwd Forward) (O
 	}
 }
 
+// Track counts work a transport runs on its own goroutine for a call (a
+// legacy SSE call answered 202 before it runs) until done is called, so
+// Drain waits for it too. Call it before the handler that starts the work
+// returns.
+func (e *Engine) Track() (done func()) {
+	e.running.Add(1)
+	return e.running.Done
+}
+
 // Drain waits until every call running upstream has finished and its
 // result is stored or released, or ctx ends. A sidecar drains before it
 // exits so that a detached call is not lost.

@@ -104,6 +104,7 @@ type legacySession struct {
 	lists    map[string]struct{}    // tools/list ids whose responses teach hints
 	holds    int                    // deduplicated calls awaiting a response
 	left     bool                   // the client's GET ended
+	stopping bool                   // the upstream stream is being closed
 	ended    bool                   // the upstream stream ended
 	endedCh  chan struct{}
 	cancelUp context.CancelFunc // ends the upstream stream
@@ -143,8 +144,14 @@ func (s *legacySession) clientLeft() {
 	defer s.mu.Unlock()
 	s.left = true
 	if s.holds == 0 {
-		s.cancelUp()
+		s.stopUpstream()
 	}
+}
+
+// stopUpstream closes the upstream stream; s.mu is held.
+func (s *legacySession) stopUpstream() {
+	s.stopping = true
+	s.cancelUp()
 }
 
 // finish marks the handler as returned: nothing may write to w after it.
@@ -171,7 +178,9 @@ func (s *legacySession) end() {
 func (s *legacySession) await(id json.RawMessage) (chan []byte, bool) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if s.ended {
+	if s.ended || s.stopping {
+		// The upstream stream is over or being closed: a response sent
+		// on it would be lost.
 		return nil, false
 	}
 	if s.waiters == nil {
@@ -192,7 +201,7 @@ func (s *legacySession) unawait(id json.RawMessage, ch chan []byte) {
 	}
 	s.holds--
 	if s.holds == 0 && s.left {
-		s.cancelUp()
+		s.stopUpstream()
 	}
 }
 
@@ -555,7 +564,11 @@ func (p *Proxy) serveLegacyCall(w http.ResponseWriter, r *http.Request, s *legac
 	call := p.cancels.Acquire(cancelKey, struct{}{})
 	// The response goes into the stream, as the server's would.
 	w.WriteHeader(http.StatusAccepted)
-	go p.runLegacyCall(s, plan, c, call)
+	done := p.engine.Track()
+	go func() {
+		defer done()
+		p.runLegacyCall(s, plan, c, call)
+	}()
 }
 
 // legacyError answers a call the engine refused: 202 for the POST, the
