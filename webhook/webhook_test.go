@@ -11,6 +11,7 @@ import (
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/equality"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/client-go/tools/events"
@@ -230,6 +231,20 @@ func TestPodsLeftAlone(t *testing.T) {
 		if len(p.Spec.InitContainers) != 0 || len(p.Spec.Containers) != 1 || p.Annotations[webhook.AnnotationStatus] != "" || p.Spec.Containers[0].Ports[0].Name != "mcp" {
 			t.Errorf("pod %s/%s was changed: %+v", p.Namespace, p.Name, p.Spec)
 		}
+	}
+
+	// The manager's own namespace is never injected, even when labelled.
+	own := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "idemcp-system", Labels: map[string]string{webhook.LabelInjection: "enabled"}}}
+	if err := k8s.Create(ctx, own); err != nil && !apierrors.IsAlreadyExists(err) {
+		t.Fatal(err)
+	}
+	createPolicy(t, "idemcp-system", "payments", v1alpha1.IdempotencyPolicySpec{})
+	mine := mcpPod("idemcp-system", "manager-like", optIn)
+	if err := k8s.Create(ctx, mine); err != nil {
+		t.Fatal(err)
+	}
+	if webhook.Injected(mine) {
+		t.Error("a pod in the manager's own namespace was injected")
 	}
 
 	// A Deployment's pod template is not a pod: untouched.
