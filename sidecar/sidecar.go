@@ -285,12 +285,20 @@ func (s *Sidecar) Run(ctx context.Context) error {
 	case err = <-errc:
 	case <-ctx.Done():
 	}
-	shutdownCtx, cancel := context.WithTimeout(context.Background(), s.opts.ShutdownTimeout)
+	// Stop taking requests; streams that never end on their own (GET
+	// streams, legacy sessions) are cut after a third of the time, then
+	// the calls that still run upstream get the rest to finish and store.
+	deadline := time.Now().Add(s.opts.ShutdownTimeout)
+	shutdownCtx, cancel := context.WithTimeout(context.Background(), s.opts.ShutdownTimeout/3)
 	defer cancel()
 	for _, srv := range servers {
-		_ = srv.Shutdown(shutdownCtx)
+		if serr := srv.Shutdown(shutdownCtx); serr != nil {
+			_ = srv.Close()
+		}
 	}
-	if derr := s.engine.Drain(shutdownCtx); derr != nil {
+	drainCtx, cancelDrain := context.WithDeadline(context.Background(), deadline)
+	defer cancelDrain()
+	if derr := s.engine.Drain(drainCtx); derr != nil {
 		s.log.Error("Calls still running at shutdown; their results are not stored", "err", derr)
 	}
 	_ = s.store.Close()

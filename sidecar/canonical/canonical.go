@@ -43,12 +43,16 @@ func Append(buf []byte, v any) ([]byte, error) {
 			// JSON cannot carry: refuse rather than hash something wrong.
 			return nil, fmt.Errorf("number %s is out of the IEEE 754 range", x)
 		}
-		if !fitsFloat64(string(x), f) {
+		fits, ok := fitsFloat64(string(x), f)
+		if !ok {
+			return nil, fmt.Errorf("number %s has an exponent out of range", x)
+		}
+		if !fits {
 			// RFC 8785 would round this to a double, and two different
 			// ids (9007199254740993 and 9007199254740992) would hash the
 			// same. Keep its exact value instead, in a form no double's
 			// canonical text takes.
-			return appendExact(buf, string(x)), nil
+			return appendExact(buf, string(x))
 		}
 		return AppendNumber(buf, f)
 	case float64:
@@ -91,41 +95,52 @@ func Append(buf []byte, v any) ([]byte, error) {
 
 // decimal splits a JSON number literal into sign, significant digits (no
 // leading or trailing zeros) and the exponent of its last digit.
-func decimal(lit string) (neg bool, digits string, exp int) {
+func decimal(lit string) (neg bool, digits string, exp int, ok bool) {
 	if lit != "" && lit[0] == '-' {
 		neg, lit = true, lit[1:]
 	}
 	mant, e, _ := strings.Cut(strings.ToLower(lit), "e")
 	if e != "" {
-		exp, _ = strconv.Atoi(e)
+		var err error
+		if exp, err = strconv.Atoi(e); err != nil || exp > 1<<30 || exp < -(1<<30) {
+			return false, "", 0, false
+		}
 	}
 	intPart, frac, _ := strings.Cut(mant, ".")
 	digits = strings.TrimLeft(intPart+frac, "0")
 	exp -= len(frac)
 	trimmed := strings.TrimRight(digits, "0")
 	exp += len(digits) - len(trimmed)
-	return neg, trimmed, exp
-}
-
-// fitsFloat64 reports whether the double f holds exactly the decimal value
-// the literal wrote, up to the precision a double's shortest form carries.
-func fitsFloat64(lit string, f float64) bool {
-	_, litDigits, litExp := decimal(lit)
-	if len(litDigits) <= 15 {
-		return true // every such decimal round-trips through a double
+	if trimmed == "" {
+		exp = 0 // zero has no digits and one exponent
 	}
-	_, fDigits, fExp := decimal(strconv.FormatFloat(f, 'e', -1, 64))
-	return litDigits == fDigits && litExp == fExp
+	return neg, trimmed, exp, true
 }
 
-func appendExact(buf []byte, lit string) []byte {
-	neg, digits, exp := decimal(lit)
+// fitsFloat64 reports whether the double f's shortest form is the decimal
+// value the literal wrote. It is not for subnormals, values past the
+// double range and literals with more digits than a double holds: those
+// would collide with other values if rounded.
+func fitsFloat64(lit string, f float64) (fits, ok bool) {
+	_, litDigits, litExp, ok := decimal(lit)
+	if !ok {
+		return false, false
+	}
+	_, fDigits, fExp, _ := decimal(strconv.FormatFloat(f, 'e', -1, 64))
+	return litDigits == fDigits && litExp == fExp, true
+}
+
+func appendExact(buf []byte, lit string) ([]byte, error) {
+	neg, digits, exp, ok := decimal(lit)
+	if !ok {
+		return nil, fmt.Errorf("number %s has an exponent out of range", lit)
+	}
 	if neg {
 		buf = append(buf, '-')
 	}
 	buf = append(buf, digits...)
 	buf = append(buf, 'e')
-	return strconv.AppendInt(buf, int64(exp), 10)
+	return strconv.AppendInt(buf, int64(exp), 10), nil
 }
 
 // AppendNumber appends f as ECMAScript's Number.prototype.toString writes it.

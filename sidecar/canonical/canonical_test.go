@@ -24,6 +24,9 @@ func TestTransform(t *testing.T) {
 		{"rfc 8785 sample", `[333333333.3333333, 1E30, 4.50, 2e-3, 0.000000000000000000000000001]`, `[333333333.3333333,1e+30,4.5,0.002,1e-27]`},
 		{"exact beyond a double", `[9007199254740993, 9007199254740992, 9007199254740993.0, 90071992547409930e-1]`, `[9007199254740993e0,9007199254740992,9007199254740993e0,9007199254740993e0]`},
 		{"shortest double form kept", `0.1`, `0.1`},
+		{"zeros", `[0, -0, 0.0, -0e5, 0.000e10]`, `[0,0,0,0,0]`},
+		{"subnormals keep their digits", `[3e-324, 4e-324, 5e-324]`, `[3e-324,4e-324,5e-324]`},
+		{"beyond the double range", `[1e-400, 2e-400]`, `[1e-400,2e-400]`},
 		{"escapes minimal", `"\u0041\u00e9\u2028<>&\u001f\n"`, "\"A\u00e9\u2028<>&\\u001f\\n\""},
 		{"utf16 key order", `{"\ud83d\ude00":1,"\ufb33":2}`, "{\"\U0001F600\":1,\"\ufb33\":2}"},
 		{"literals", `[true,false,null]`, `[true,false,null]`},
@@ -42,7 +45,7 @@ func TestTransform(t *testing.T) {
 }
 
 func TestTransformRejects(t *testing.T) {
-	for _, in := range []string{`{"a":}`, `{"a":1} {}`, `1e400`, ``, `{"a":1,"a":2}`, `"\ud800"`, `"\udc00x"`, "\"\xff\"", `[01]`, `[1.]`, `{"a" 1}`, "\"a\tb\""} {
+	for _, in := range []string{`{"a":}`, `{"a":1} {}`, `1e400`, ``, `{"a":1,"a":2}`, `"\ud800"`, `"\udc00x"`, "\"\xff\"", `[01]`, `[1.]`, `1e99999999999999999999`, `{"a" 1}`, "\"a\tb\""} {
 		if got, err := Transform([]byte(in)); err == nil {
 			t.Errorf("Transform(%q) = %s, want an error", in, got)
 		}

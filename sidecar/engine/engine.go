@@ -47,7 +47,7 @@ type Engine struct {
 
 	instance string
 	seq      atomic.Uint64
-	running  sync.WaitGroup
+	running  activity
 }
 
 // Options configure an Engine.
@@ -214,7 +214,7 @@ func (e *Engine) Execute(ctx context.Context, p *Plan, fwd Forward) (Outcome, er
 		if err != nil {
 			// The store may have applied the claim before the error: drop
 			// it, or nobody would own it until its lease runs out.
-			e.releaseQuietly(p.Key, owner)
+			go e.releaseQuietly(p.Key, owner)
 			if ctx.Err() != nil {
 				return Outcome{}, ctx.Err()
 			}
@@ -302,25 +302,25 @@ func (e *Engine) storeUnavailable(ctx context.Context, p *Plan, fwd Forward, err
 // disconnects or cancels does not stop it, and its result is stored.
 func (e *Engine) run(ctx context.Context, p *Plan, owner string, fwd Forward) (Outcome, error) {
 	done := make(chan error, 1)
-	e.running.Add(1)
+	e.running.add()
 	go func() {
-		defer e.running.Done()
+		defer e.running.done()
 		runCtx := context.WithoutCancel(ctx)
 		stopRenew := e.renew(runCtx, p, owner)
 		defer stopRenew() // the lease lives until the result is stored
 		up, err := fwd(runCtx)
-		if p.Policy.InFlight == v1alpha1.InFlightReject {
-			// A retry right after the answer must find the result, not a
-			// claim it would be refused for.
-			e.settle(runCtx, p, owner, up, err)
-			done <- err
-			return
+		answer := func() { done <- err }
+		if p.Policy.InFlight != v1alpha1.InFlightReject {
+			// The client has its response: answer it now and store after.
+			// A retry arriving meanwhile finds the claim pending and waits
+			// the moment it takes.
+			answer()
+			answer = func() {}
 		}
-		// The client has its response: answer it now and store after.
-		// A retry arriving meanwhile finds the claim pending and waits
-		// the moment it takes.
-		done <- err
-		e.settle(runCtx, p, owner, up, err)
+		// Under Reject, a retry right after the answer must find the
+		// result, not a claim it would be refused for: answer once the
+		// first attempt to store is made.
+		e.settle(runCtx, p, owner, up, err, answer)
 	}()
 	select {
 	case err := <-done:
@@ -340,22 +340,58 @@ func (e *Engine) run(ctx context.Context, p *Plan, owner string, fwd Forward) (O
 // Drain waits for it too. Call it before the handler that starts the work
 // returns.
 func (e *Engine) Track() (done func()) {
-	e.running.Add(1)
-	return e.running.Done
+	e.running.add()
+	return sync.OnceFunc(e.running.done)
 }
 
 // Drain waits until every call running upstream has finished and its
 // result is stored or released, or ctx ends. A sidecar drains before it
 // exits so that a detached call is not lost.
 func (e *Engine) Drain(ctx context.Context) error {
-	done := make(chan struct{})
-	go func() { e.running.Wait(); close(done) }()
 	select {
-	case <-done:
+	case <-e.running.idle():
 		return nil
 	case <-ctx.Done():
 		return ctx.Err()
 	}
+}
+
+// activity counts work in progress. Unlike a WaitGroup, new work may start
+// while someone waits for it to drop to zero.
+type activity struct {
+	mu   sync.Mutex
+	n    int
+	zero chan struct{} // closed while n == 0
+}
+
+func (a *activity) add() {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.n == 0 {
+		a.zero = make(chan struct{})
+	}
+	a.n++
+}
+
+func (a *activity) done() {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.n--
+	if a.n == 0 {
+		close(a.zero)
+	}
+}
+
+// idle returns a channel closed when no work is in progress.
+func (a *activity) idle() <-chan struct{} {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.n == 0 {
+		c := make(chan struct{})
+		close(c)
+		return c
+	}
+	return a.zero
 }
 
 // renew keeps the claim's lease alive while the upstream call runs.
@@ -395,7 +431,7 @@ const (
 )
 
 // settle stores a success or releases the key so a genuine retry retries.
-func (e *Engine) settle(ctx context.Context, p *Plan, owner string, up Upstream, err error) {
+func (e *Engine) settle(ctx context.Context, p *Plan, owner string, up Upstream, err error, firstTried func()) {
 	reason := ""
 	var stored []byte
 	switch {
@@ -412,7 +448,7 @@ func (e *Engine) settle(ctx context.Context, p *Plan, owner string, up Upstream,
 	}
 	if reason != "" && reason != ReasonTooLarge {
 		e.metrics.NotStored.WithLabelValues(reason).Inc()
-		if rerr := e.retryStore(ctx, func(ctx context.Context) error { return e.store.Release(ctx, p.Key, owner) }); rerr != nil {
+		if rerr := e.retryStore(ctx, firstTried, func(ctx context.Context) error { return e.store.Release(ctx, p.Key, owner) }); rerr != nil {
 			e.storeWriteFailed("release", p, rerr)
 		}
 		return
@@ -422,7 +458,7 @@ func (e *Engine) settle(ctx context.Context, p *Plan, owner string, up Upstream,
 		e.log.Warn("Result over maxResultBytes was forwarded but not stored; retries get an error, not a second run",
 			"tool", p.Tool, "bytes", len(up.Response), "maxResultBytes", p.Policy.MaxResultBytes)
 	}
-	if cerr := e.retryStore(ctx, func(ctx context.Context) error { return e.store.Complete(ctx, p.Key, owner, stored, p.Rule.TTL) }); cerr != nil {
+	if cerr := e.retryStore(ctx, firstTried, func(ctx context.Context) error { return e.store.Complete(ctx, p.Key, owner, stored, p.Rule.TTL) }); cerr != nil {
 		e.storeWriteFailed("complete", p, cerr)
 	}
 }
@@ -433,12 +469,19 @@ func (e *Engine) settle(ctx context.Context, p *Plan, owner string, up Upstream,
 // is renewed.
 var storeRetries = []time.Duration{50 * time.Millisecond, 200 * time.Millisecond, 500 * time.Millisecond, time.Second, 2 * time.Second, 4 * time.Second, 8 * time.Second}
 
-func (e *Engine) retryStore(ctx context.Context, op func(context.Context) error) error {
+func (e *Engine) retryStore(ctx context.Context, firstTried func(), op func(context.Context) error) error {
+	firstTried = sync.OnceFunc(firstTried)
+	defer firstTried()
 	var err error
 	for i := 0; ; i++ {
 		opCtx, cancel := context.WithTimeout(ctx, 5*time.Second)
 		err = op(opCtx)
 		cancel()
+		firstTried()
+		if i > 0 && errors.Is(err, store.ErrNotOwner) {
+			// An earlier attempt whose reply was lost may have applied.
+			return errProbablyApplied
+		}
 		if err == nil || errors.Is(err, store.ErrNotOwner) || i == len(storeRetries) {
 			return err
 		}
@@ -447,7 +490,15 @@ func (e *Engine) retryStore(ctx context.Context, op func(context.Context) error)
 	}
 }
 
+// errProbablyApplied: a retried store write found the claim gone, most
+// likely because an attempt whose reply was lost had applied it.
+var errProbablyApplied = errors.New("a retried store write found the claim already settled; an earlier attempt probably applied")
+
 func (e *Engine) storeWriteFailed(op string, p *Plan, err error) {
+	if errors.Is(err, errProbablyApplied) {
+		e.log.Warn("Store write retried after an error; the earlier attempt most likely applied", "tool", p.Tool, "op", op)
+		return
+	}
 	if errors.Is(err, store.ErrNotOwner) {
 		e.log.Error("Claim was taken over before the call finished; its result is not stored", "tool", p.Tool, "op", op)
 		return

@@ -105,6 +105,7 @@ type legacySession struct {
 	holds    int                    // deduplicated calls awaiting a response
 	left     bool                   // the client's GET ended
 	stopping bool                   // the upstream stream is being closed
+	tooLarge bool                   // the stream ended on an oversized event
 	ended    bool                   // the upstream stream ended
 	endedCh  chan struct{}
 	cancelUp context.CancelFunc // ends the upstream stream
@@ -146,6 +147,20 @@ func (s *legacySession) clientLeft() {
 	if s.holds == 0 {
 		s.stopUpstream()
 	}
+}
+
+// markTooLarge records that the stream ended on an event over the relay
+// buffer.
+func (s *legacySession) markTooLarge() {
+	s.mu.Lock()
+	s.tooLarge = true
+	s.mu.Unlock()
+}
+
+func (s *legacySession) oversized() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.tooLarge
 }
 
 // stopUpstream closes the upstream stream; s.mu is held.
@@ -387,6 +402,11 @@ func (p *Proxy) serveLegacySession(s *legacySession, r *http.Request, first mcpm
 			// After the client left, keep reading: a call detached from
 			// it still waits for its response here.
 			s.write(ev.Raw)
+		}
+		if errors.Is(err, mcpmsg.ErrEventTooLarge) {
+			// Most likely a response too large to keep: the calls that
+			// wait on this stream ran, and must not run again.
+			s.markTooLarge()
 		}
 		if err != nil {
 			if !errors.Is(err, io.EOF) && s.client.Err() == nil && !errors.Is(err, context.Canceled) {
@@ -657,6 +677,9 @@ func (p *Proxy) forwardLegacy(ctx context.Context, s *legacySession, c *legacyCa
 		case data := <-ch:
 			return engine.Upstream{Status: resp.StatusCode, Response: data}, nil
 		default:
+		}
+		if s.oversized() {
+			return engine.Upstream{Status: resp.StatusCode, TooLarge: true}, nil
 		}
 		return engine.Upstream{}, errors.New("the session's event stream from the MCP server ended before the call's response")
 	}

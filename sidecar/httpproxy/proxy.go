@@ -343,18 +343,28 @@ func (p *Proxy) forwardDedup(ctx context.Context, in *http.Request, body []byte,
 	}
 	s.header(resp.StatusCode, h)
 	er := mcpmsg.NewEventReader(resp.Body, int(p.opts.MaxResponseBytes))
+	var oversized int64
 	for {
 		ev, err := er.Next()
 		if errors.Is(err, io.EOF) {
-			return up, nil // the stream ended without our response
+			if oversized > 0 {
+				// Our response never came whole: it was most likely the
+				// event too large to keep. The call ran.
+				up.TooLarge, up.Size = true, oversized
+			}
+			return up, nil
 		}
 		if errors.Is(err, mcpmsg.ErrEventTooLarge) {
-			// Most likely the response itself: relay the rest untouched,
-			// and count the call as run, not as failed.
+			// Relay it whole without keeping it, and read on: if it was
+			// not our response, the response still follows.
 			s.write(ev.Raw)
-			n, _ := io.Copy(s, er.Rest())
-			up.TooLarge, up.Size = true, int64(len(ev.Raw))+n
-			return up, nil
+			n, serr := er.SkipEvent(s)
+			oversized = max(oversized, int64(len(ev.Raw))+n)
+			if serr != nil {
+				up.TooLarge, up.Size = true, oversized
+				return up, nil
+			}
+			continue
 		}
 		if err != nil {
 			return engine.Upstream{}, fmt.Errorf("reading the MCP server's event stream: %w", err)
@@ -446,7 +456,12 @@ func (p *Proxy) serveDelete(w http.ResponseWriter, r *http.Request) {
 // stateless server's callers have no session, so their principals tell
 // them apart).
 func (p *Proxy) cancelKey(r *http.Request, id json.RawMessage) string {
-	return engine.CancelKey(id, "http", r.Header.Get(p.engine.Policy().PrincipalHeader), r.Header.Get(HeaderSessionID))
+	// With a session, the session alone: a token refreshed mid-call must
+	// not let the cancel through.
+	if sess := r.Header.Get(HeaderSessionID); sess != "" {
+		return engine.CancelKey(id, "http-session", sess)
+	}
+	return engine.CancelKey(id, "http", r.Header.Get(p.engine.Policy().PrincipalHeader))
 }
 
 // swallowsCancel reports whether a cancel for this request id belongs to a

@@ -31,6 +31,23 @@ func NewEventReader(r io.Reader, maxSize int) *EventReader {
 // what was read of it so far; the rest of the stream is Rest.
 var ErrEventTooLarge = errors.New("server-sent event over the size limit")
 
+// SkipEvent copies the rest of an event Next refused as too large to w,
+// up to its end, so the caller can go on reading events after it.
+func (er *EventReader) SkipEvent(w io.Writer) (int64, error) {
+	var n int64
+	for {
+		line, err := er.r.ReadSlice('\n')
+		m, _ := w.Write(line)
+		n += int64(m)
+		if err == nil && len(bytes.TrimRight(line, "\r\n")) == 0 {
+			return n, nil
+		}
+		if err != nil && !errors.Is(err, bufio.ErrBufferFull) {
+			return n, err
+		}
+	}
+}
+
 // Rest is the stream after what Next returned, for a caller that stops
 // parsing (after ErrEventTooLarge) and copies the rest as it is.
 func (er *EventReader) Rest() io.Reader { return er.r }

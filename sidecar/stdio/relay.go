@@ -319,9 +319,12 @@ func (w *Wrapper) childLineTooLong(o *overlong) {
 	case o.id != nil:
 		if p := w.router.take(mcpmsg.IDKey(o.id)); p != nil {
 			// A deduplicated call ran: its retries get an error rather
-			// than a second run.
-			_ = w.out.writeLine(mcpmsg.ErrorResponse(o.id, mcpmsg.CodeResultNotStored,
-				why+"; idemcp dropped it; the call ran, so a retry gets this error instead of running it again"))
+			// than a second run. A request its client cancelled gets no
+			// answer.
+			if !p.call.cancelled.Load() {
+				_ = w.out.writeLine(mcpmsg.ErrorResponse(o.id, mcpmsg.CodeResultNotStored,
+					why+"; idemcp dropped it; the call ran, so a retry gets this error instead of running it again"))
+			}
 			p.tooLarge = o.size
 			close(p.done)
 			return

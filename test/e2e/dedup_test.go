@@ -3,9 +3,13 @@ package e2e_test
 import (
 	"context"
 	"encoding/json"
+	"fmt"
+	"io"
 	"net/http"
 	"net/http/httptest"
+	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -472,4 +476,43 @@ func TestResponseOverRelayBufferIsNotRunAgain(t *testing.T) {
 			t.Fatalf("charge_card ran %d times, want 1", n)
 		}
 	})
+}
+
+// TestOversizedNotificationDoesNotHideAFailure: an event too large to keep
+// that is not the call's response (a big log notification) is relayed, and
+// the response after it still decides: an error releases the key.
+func TestOversizedNotificationDoesNotHideAFailure(t *testing.T) {
+	var hits atomic.Int32
+	upstream := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		hits.Add(1)
+		w.Header().Set("Content-Type", "text/event-stream")
+		big := strings.Repeat("x", 8000)
+		_, _ = fmt.Fprintf(w, "event: message\ndata: {\"jsonrpc\":\"2.0\",\"method\":\"notifications/message\",\"params\":{\"data\":%q}}\n\n", big)
+		_, _ = fmt.Fprint(w, "event: message\ndata: {\"jsonrpc\":\"2.0\",\"id\":1,\"error\":{\"code\":-32000,\"message\":\"db down, nothing done\"}}\n\n")
+	}))
+	defer upstream.Close()
+	sc, err := sidecar.New(sidecar.Options{Upstream: upstream.URL, LogLevel: "error", MaxResponseBytes: 4096})
+	if err != nil {
+		t.Fatal(err)
+	}
+	proxy := httptest.NewServer(sc.Handler())
+	defer proxy.Close()
+	body := `{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"charge_card","arguments":{"amount":1}}}`
+	for i := range 2 {
+		resp, err := http.Post(proxy.URL, "application/json", strings.NewReader(body))
+		if err != nil {
+			t.Fatal(err)
+		}
+		data, _ := io.ReadAll(resp.Body)
+		_ = resp.Body.Close()
+		if !strings.Contains(string(data), "db down") || strings.Count(string(data), "x") < 8000 {
+			t.Fatalf("call %d: the client did not get both events (%d bytes)", i+1, len(data))
+		}
+		if err := sc.Engine().Drain(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n := hits.Load(); n != 2 {
+		t.Fatalf("the server was called %d times, want 2: a failed call must be retried", n)
+	}
 }
