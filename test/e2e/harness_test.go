@@ -9,7 +9,6 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"os"
-	"path/filepath"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -92,10 +91,7 @@ func startSidecar(t *testing.T, upstream, policyYAML string) (*sidecar.Sidecar, 
 	t.Helper()
 	opts := sidecar.Options{Upstream: upstream, LogLevel: "error", Store: sidecar.StoreOptions{MemoryMaxEntries: 1000}}
 	if policyYAML != "" {
-		opts.PolicyFile = filepath.Join(t.TempDir(), "policy.yaml")
-		if err := os.WriteFile(opts.PolicyFile, []byte(policyYAML), 0o600); err != nil {
-			t.Fatal(err)
-		}
+		opts.PolicyFile = writePolicy(t, policyYAML)
 	}
 	sc, err := sidecar.New(opts)
 	if err != nil {

@@ -252,7 +252,7 @@ func TestRedisRoundTrips(t *testing.T) {
 // TestSidecarKilledMidCall kills a sidecar process with SIGKILL while its
 // call runs, then retries through another sidecar sharing the Redis.
 func TestSidecarKilledMidCall(t *testing.T) {
-	bin := buildIdemcp(t)
+	bin := buildWrapBins(t).idemcp // built once for the package
 	srv := redistest.Start(t)
 	for _, onAbandoned := range []string{"Retry", "Error"} {
 		t.Run(onAbandoned, func(t *testing.T) {
@@ -328,16 +328,6 @@ var scriptCommands = map[string]bool{
 
 // connectionSetup is what go-redis sends when it opens a pooled connection.
 var connectionSetup = map[string]bool{"hello": true, "client|setname": true, "client|setinfo": true, "auth": true, "select": true}
-
-func buildIdemcp(t *testing.T) string {
-	t.Helper()
-	bin := filepath.Join(t.TempDir(), "idemcp")
-	out, err := exec.Command("go", "build", "-o", bin, "github.com/idemcp/idemcp").CombinedOutput()
-	if err != nil {
-		t.Fatalf("go build: %v\n%s", err, out)
-	}
-	return bin
-}
 
 func freeAddr(t *testing.T) string {
 	t.Helper()

@@ -13,6 +13,8 @@ import (
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/envtest"
 	"sigs.k8s.io/controller-runtime/pkg/log/zap"
+
+	"github.com/idemcp/idemcp/test/testdeps"
 )
 
 // Available reports whether the envtest binaries are there. When they are
@@ -22,7 +24,7 @@ func Available() bool {
 	if os.Getenv("KUBEBUILDER_ASSETS") != "" {
 		return true
 	}
-	if os.Getenv("CI") == "true" {
+	if testdeps.CI() {
 		fmt.Fprintln(os.Stderr, "KUBEBUILDER_ASSETS is not set: run through make test, or export KUBEBUILDER_ASSETS=$(hack/setup-envtest.sh)")
 		os.Exit(1)
 	}

@@ -33,6 +33,8 @@ import (
 
 	"github.com/idemcp/idemcp/test/envtestutil"
 	"github.com/idemcp/idemcp/webhook/certs"
+
+	"github.com/idemcp/idemcp/test/testdeps"
 )
 
 const (
@@ -375,7 +377,7 @@ func start(t *testing.T, m *certs.Manager) {
 func newNamespace(t *testing.T) string {
 	t.Helper()
 	if k8s == nil {
-		t.Skip("no API server: export KUBEBUILDER_ASSETS=$(hack/setup-envtest.sh)")
+		testdeps.Missing(t, "no API server: export KUBEBUILDER_ASSETS=$(hack/setup-envtest.sh)")
 	}
 	ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{GenerateName: "certs-"}}
 	if err := k8s.Create(t.Context(), ns); err != nil {

@@ -19,6 +19,8 @@ import (
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 
 	"github.com/idemcp/idemcp/webhook/certs"
+
+	"github.com/idemcp/idemcp/test/testdeps"
 )
 
 // TestDefaultsMatchConfigDefault: with no flags, the manager manages the
@@ -102,7 +104,7 @@ func kustomize(t *testing.T, dir string) []*unstructured.Unstructured {
 	t.Helper()
 	assets := os.Getenv("KUBEBUILDER_ASSETS")
 	if assets == "" {
-		t.Skip("no kubectl: export KUBEBUILDER_ASSETS=$(hack/setup-envtest.sh)")
+		testdeps.Missing(t, "no kubectl: export KUBEBUILDER_ASSETS=$(hack/setup-envtest.sh)")
 	}
 	var stderr bytes.Buffer
 	cmd := exec.CommandContext(t.Context(), filepath.Join(assets, "kubectl"), "kustomize", filepath.Join("..", "..", "config", dir))

@@ -20,6 +20,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/idemcp/idemcp/test/testdeps"
 )
 
 // startTimeout bounds how long a server may take to answer PING.
@@ -33,10 +35,7 @@ func Binary(tb testing.TB, name string) string {
 	if err == nil {
 		return path
 	}
-	if os.Getenv("CI") == "true" {
-		tb.Fatalf("%s is required under CI: %v (apt-get install redis-server)", name, err)
-	}
-	tb.Skipf("%s not installed: %v", name, err)
+	testdeps.Missing(tb, fmt.Sprintf("%s not installed: %v (apt-get install redis-server redis-tools)", name, err))
 	return ""
 }
 
