@@ -54,11 +54,6 @@ type Message struct {
 // IsRequest reports a message with a method and an id.
 func (m *Message) IsRequest() bool { return m.Method != "" && len(m.ID) > 0 }
 
-// IsResponse reports a message with a result or an error and no method.
-func (m *Message) IsResponse() bool {
-	return m.Method == "" && (len(m.Result) > 0 || len(m.Error) > 0)
-}
-
 // Kind says how a body is shaped.
 type Kind int
 
