@@ -2,16 +2,29 @@
 SHELL := /usr/bin/env bash -o pipefail
 .SHELLFLAGS := -ec
 
-IMG ?= ghcr.io/idemcp/idemcp:dev
+IMG ?= ghcr.io/idemcp/idemcp:v0.1.0
+CHART_VERSION ?= 0.1.0
 LOCALBIN ?= $(CURDIR)/bin
 GO ?= go
 
 CONTROLLER_TOOLS_VERSION ?= v0.23.0
 GOLANGCI_LINT_VERSION ?= v2.15.0
+KUSTOMIZE_VERSION ?= v5.8.1
+HELM_VERSION ?= v3.22.0
 CONTROLLER_GEN ?= $(LOCALBIN)/controller-gen-$(CONTROLLER_TOOLS_VERSION)
 GOLANGCI_LINT ?= $(LOCALBIN)/golangci-lint-$(GOLANGCI_LINT_VERSION)
+KUSTOMIZE ?= $(LOCALBIN)/kustomize-$(KUSTOMIZE_VERSION)
+HELM ?= $(LOCALBIN)/helm-$(HELM_VERSION)
+KUBECTL ?= kubectl
 
 TS_INTEROP := test/interop/ts
+
+SOAK_DURATION ?= 1h
+SOAK_TIMEOUT ?= 3h
+
+VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
+COMMIT ?= $(shell git rev-parse HEAD 2>/dev/null || echo unknown)
+LDFLAGS := -X github.com/idemcp/idemcp/internal/version.Version=$(VERSION) -X github.com/idemcp/idemcp/internal/version.Commit=$(COMMIT)
 
 .PHONY: all
 all: build
@@ -19,8 +32,9 @@ all: build
 ##@ Development
 
 .PHONY: build
-build: ## Build bin/idemcp.
-	$(GO) build -o $(LOCALBIN)/idemcp .
+build: ## Build bin/idemcp and bin/idemcp-proxy (the data plane alone: sidecar and wrap).
+	$(GO) build -ldflags "$(LDFLAGS)" -o $(LOCALBIN)/idemcp .
+	$(GO) build -ldflags "$(LDFLAGS)" -o $(LOCALBIN)/idemcp-proxy ./cmd/idemcp-proxy
 
 .PHONY: fmt
 fmt: ## gofmt every Go file.
@@ -36,7 +50,7 @@ lint: golangci-lint ## Run golangci-lint with .golangci.yml.
 
 .PHONY: manifests
 manifests: controller-gen ## Write the CRD and the manager's RBAC from the code markers.
-	$(CONTROLLER_GEN) rbac:roleName=manager-role crd paths="./api/..." paths="./controllers/..." paths="./webhook/..." \
+	$(CONTROLLER_GEN) rbac:roleName=manager-role crd paths="./api/..." paths="./controllers/..." paths="./webhook/..." paths="./cmd/..." \
 		output:crd:artifacts:config=config/crd/bases output:rbac:artifacts:config=config/rbac
 
 .PHONY: generate
@@ -44,9 +58,9 @@ generate: controller-gen ## Write zz_generated.deepcopy.go.
 	$(CONTROLLER_GEN) object paths="./api/..."
 
 .PHONY: verify-gen
-verify-gen: manifests generate ## Fail if generated files or go.mod are stale.
+verify-gen: manifests generate installer-files ## Fail if generated files or go.mod are stale.
 	$(GO) mod tidy
-	@git diff --exit-code -- api config go.mod go.sum || { echo "generated files are stale: run 'make manifests generate' and 'go mod tidy', and commit"; exit 1; }
+	@git diff --exit-code -- api config dist go.mod go.sum || { echo "generated files are stale: run 'make manifests generate' and 'go mod tidy' (make verify-gen does all of it), and commit"; exit 1; }
 
 .PHONY: test-deps
 test-deps: ## Install what the tests need that Go does not fetch (npm packages of the TypeScript interop client).
@@ -58,18 +72,99 @@ envtest: ## Build (once, cached outside the checkout) the kube-apiserver, etcd a
 	@hack/setup-envtest.sh >/dev/null
 
 .PHONY: test
-test: test-deps vet ## Run every test: unit, store contract, envtest, and end to end against real MCP servers.
-	assets="$$(hack/setup-envtest.sh)"; KUBEBUILDER_ASSETS="$$assets" $(GO) test -race -count=1 ./...
+test: test-deps vet helm ## Run every test: unit, store contract, envtest, and end to end against real MCP servers.
+	assets="$$(hack/setup-envtest.sh)"; KUBEBUILDER_ASSETS="$$assets" HELM=$(HELM) $(GO) test -race -count=1 -timeout 40m $$($(GO) list ./... | grep -v -e /test/chaos -e /test/load)
+	$(MAKE) chaos
+
+.PHONY: demo
+demo: build ## Show idemcp's main job on a local control plane: injection, 5 retries -> 1 charge, a live policy change (about a minute; the first run builds kube-apiserver, 5-10 minutes).
+	@assets="$$(hack/setup-envtest.sh)"; $(GO) run ./test/demo --idemcp $(LOCALBIN)/idemcp --assets "$$assets"
+
+.PHONY: chaos
+chaos: ## The chaos tests (3 sidecars, a real Redis, injected faults; about 3 minutes), printing their counts.
+	$(GO) test -race -count=1 -timeout 20m -v -run 'TestChaos' ./test/chaos/ | grep -v '^=== '
+
+.PHONY: chaos-record
+chaos-record: ## Run the chaos tests (part of make test) and record their counts in test/chaos/results.md.
+	CHAOS_RECORD=1 $(GO) test -race -count=1 -timeout 20m -v -run 'TestChaos' ./test/chaos/ | grep -v '^=== '
+
+.PHONY: load
+load: ## 1,000 concurrent sessions for 60s through one sidecar process on a real Redis: no errors, no duplicates, memory flat after warm-up (about 2 minutes; LOAD_DURATION, LOAD_SESSIONS).
+	$(GO) test -count=1 -timeout 10m -v -run TestLoad ./test/load/ | grep -v '^=== '
+
+.PHONY: soak
+soak: ## Mixed traffic at a bounded rate through 2 sidecars and a real Redis for SOAK_DURATION (default 1h; SOAK_RATE calls/s, default 20), checking the guarantees and flat memory; records test/soak/results.md.
+	cd test/soak && SOAK_RECORD=1 SOAK_DURATION=$(SOAK_DURATION) $(GO) test -tags soak -count=1 -timeout $(SOAK_TIMEOUT) -v -run TestSoak . | grep -v '^=== '
+
+.PHONY: fuzz
+fuzz: ## Run every Go fuzz target for FUZZTIME each (default 10s); seeds in testdata/fuzz.
+	hack/fuzz.sh
 
 .PHONY: bench
-bench: ## Measure the sidecar and `idemcp wrap` against same-run baselines; writes test/bench/results.md (1-2 minutes).
-	$(GO) run ./test/bench -out test/bench/results.md
+bench: ## Measure the sidecar (own process) against direct, a Go proxy and nginx in the same run; and the policy push to 100 and 1000 sidecars; writes test/bench/results.md and results.png (about 10 minutes). BENCH_ARGS=-proc-rounds=1 for a quick run.
+	@command -v nginx >/dev/null || test -x /usr/sbin/nginx || { echo "bench: installing Debian's nginx-light for the nginx baseline"; \
+	  $$( [ "$$(id -u)" = 0 ] || echo sudo ) apt-get install -y nginx-light || { $$( [ "$$(id -u)" = 0 ] || echo sudo ) apt-get update && $$( [ "$$(id -u)" = 0 ] || echo sudo ) apt-get install -y nginx-light; }; }
+	$(GO) run ./test/bench -out test/bench/results.md $(BENCH_ARGS)
+	assets="$$(hack/setup-envtest.sh)"; KUBEBUILDER_ASSETS="$$assets" $(GO) run ./test/bench/push -out test/bench/results.md
 
 ##@ Build
 
+.PHONY: build-linux
+build-linux: ## Build the static linux/amd64 binaries the image holds (bin/linux-amd64/idemcp and idemcp-proxy), as the Dockerfile does.
+	CGO_ENABLED=0 GOOS=linux GOARCH=amd64 $(GO) build -trimpath -ldflags "-s -w $(LDFLAGS)" -o $(LOCALBIN)/linux-amd64/idemcp .
+	CGO_ENABLED=0 GOOS=linux GOARCH=amd64 $(GO) build -trimpath -ldflags "-s -w $(LDFLAGS)" -o $(LOCALBIN)/linux-amd64/idemcp-proxy ./cmd/idemcp-proxy
+
+.PHONY: image
+image: build-linux ## Write the image IMG as a tarball, dist/idemcp-image.tar, with no Docker engine.
+	@mkdir -p dist
+	$(GO) run ./hack/image --binary $(LOCALBIN)/linux-amd64/idemcp --proxy-binary $(LOCALBIN)/linux-amd64/idemcp-proxy --image $(IMG) --out dist/idemcp-image.tar
+	@echo "wrote dist/idemcp-image.tar ($(IMG)); load it with ctr -n k8s.io images import or kind load image-archive, or push it with make image-push"
+
+.PHONY: image-push
+image-push: build-linux ## Write dist/idemcp-image.tar and push IMG to its registry (credentials of docker login), with no Docker engine.
+	@mkdir -p dist
+	$(GO) run ./hack/image --binary $(LOCALBIN)/linux-amd64/idemcp --proxy-binary $(LOCALBIN)/linux-amd64/idemcp-proxy --image $(IMG) --out dist/idemcp-image.tar --push
+
 .PHONY: docker-build
-docker-build: ## Build the image (needs a Docker engine).
+docker-build: ## Build the image IMG with Docker (needs a Docker engine; `make image` needs none).
 	docker build -t $(IMG) .
+
+.PHONY: docker-push
+docker-push: ## Push IMG with Docker.
+	docker push $(IMG)
+
+.PHONY: build-installer
+build-installer: kustomize ## Write dist/install.yaml (CRD, RBAC, manager, webhook) with the image IMG.
+	@rm -rf dist/.overlay && mkdir -p dist/.overlay
+	@printf 'resources:\n- ../../config/default\n' > dist/.overlay/kustomization.yaml
+	cd dist/.overlay && $(KUSTOMIZE) edit set image ghcr.io/idemcp/idemcp=$(IMG)
+	$(KUSTOMIZE) build dist/.overlay > dist/install.yaml
+	@rm -rf dist/.overlay
+	@echo "wrote dist/install.yaml with image $(IMG)"
+
+.PHONY: helm-chart
+helm-chart: kustomize ## Write the Helm chart dist/chart from config/default (CRDs in crds/, image and replicas as values).
+	$(KUSTOMIZE) build config/default | $(GO) run ./hack/helmchart -out dist/chart -version $(CHART_VERSION)
+
+.PHONY: helm-lint
+helm-lint: helm helm-chart ## helm lint the chart.
+	$(HELM) lint dist/chart
+
+.PHONY: installer-files
+installer-files: ## Regenerate the committed dist/install.yaml (default IMG) and dist/chart.
+	$(MAKE) build-installer IMG=ghcr.io/idemcp/idemcp:v$(CHART_VERSION)
+	$(MAKE) helm-chart
+
+##@ Deployment
+
+.PHONY: deploy
+deploy: build-installer ## Install idemcp with the image IMG into the cluster of the current kubectl context.
+	$(KUBECTL) apply --server-side -f dist/install.yaml
+
+.PHONY: undeploy
+undeploy: build-installer ## Remove idemcp: the webhook first, so no pod create waits on a manager that is going away.
+	-$(KUBECTL) delete mutatingwebhookconfiguration -l app.kubernetes.io/part-of=idemcp --ignore-not-found
+	$(KUBECTL) delete --ignore-not-found -f dist/install.yaml
 
 ##@ Tools
 
@@ -84,6 +179,18 @@ golangci-lint: $(GOLANGCI_LINT)
 $(GOLANGCI_LINT):
 	GOBIN=$(LOCALBIN) $(GO) install github.com/golangci/golangci-lint/v2/cmd/golangci-lint@$(GOLANGCI_LINT_VERSION)
 	mv $(LOCALBIN)/golangci-lint $@
+
+.PHONY: kustomize
+kustomize: $(KUSTOMIZE)
+$(KUSTOMIZE):
+	GOBIN=$(LOCALBIN) $(GO) install sigs.k8s.io/kustomize/kustomize/v5@$(KUSTOMIZE_VERSION)
+	mv $(LOCALBIN)/kustomize $@
+
+.PHONY: helm
+helm: $(HELM)
+$(HELM):
+	GOBIN=$(LOCALBIN) $(GO) install helm.sh/helm/v3/cmd/helm@$(HELM_VERSION)
+	mv $(LOCALBIN)/helm $@
 
 .PHONY: help
 help: ## Show this help.

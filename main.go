@@ -12,7 +12,8 @@ import (
 	"os/signal"
 	"syscall"
 
-	"github.com/idemcp/idemcp/controllers"
+	"github.com/idemcp/idemcp/cmd/manager"
+	"github.com/idemcp/idemcp/internal/version"
 	"github.com/idemcp/idemcp/sidecar"
 	"github.com/idemcp/idemcp/sidecar/stdio"
 )
@@ -20,18 +21,22 @@ import (
 var commands = map[string]func(ctx context.Context, args []string) error{
 	"sidecar": sidecar.Main,
 	"wrap":    stdio.Main,
-	"manager": controllers.ManagerMain,
+	"manager": manager.Main,
+	"version": func(context.Context, []string) error {
+		fmt.Println(version.Get())
+		return nil
+	},
 }
 
 const usage = `idemcp makes MCP tool calls exactly-once.
 
 Usage:
-  idemcp manager [--leader-elect] [--redis-image IMAGE]
-  idemcp sidecar --listen ADDR --upstream URL [--policy-file FILE] [--admin-listen ADDR]
-  idemcp wrap [--policy-file FILE] [--store memory|redis ...] -- CMD [ARGS...]
-  idemcp help
+  idemcp sidecar --upstream URL [flags]   the dedup proxy in front of an HTTP MCP server
+  idemcp wrap [flags] -- CMD [ARGS...]    the dedup proxy in front of a stdio MCP server
+  idemcp manager [flags]                  the Kubernetes controller and webhook
+  idemcp version                          the version, commit and Go version
 
-Run 'idemcp COMMAND -h' for a command's flags.
+Run idemcp COMMAND --help for a command's flags.
 `
 
 func main() {
@@ -44,7 +49,7 @@ func main() {
 	}
 	run, ok := commands[os.Args[1]]
 	if !ok {
-		fmt.Fprintf(os.Stderr, "idemcp: unknown command %q\n\n%s", os.Args[1], usage)
+		fmt.Fprintf(os.Stderr, "idemcp: unknown command %q; run idemcp --help for the commands\n", os.Args[1])
 		os.Exit(2)
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)

@@ -7,14 +7,18 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"time"
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	networkingv1 "k8s.io/api/networking/v1"
+	policyv1 "k8s.io/api/policy/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/tools/events"
@@ -23,44 +27,58 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/builder"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/controller/controllerutil"
+	"sigs.k8s.io/controller-runtime/pkg/event"
 	"sigs.k8s.io/controller-runtime/pkg/handler"
 	"sigs.k8s.io/controller-runtime/pkg/log"
 	"sigs.k8s.io/controller-runtime/pkg/predicate"
 	"sigs.k8s.io/controller-runtime/pkg/reconcile"
 
 	"github.com/idemcp/idemcp/api/v1alpha1"
-	"github.com/idemcp/idemcp/sidecar/policy"
+	"github.com/idemcp/idemcp/internal/policy"
 )
 
-// secretRecheck is how soon a policy whose Secret is missing looks again:
-// Secrets are not watched, so the controller needs no list/watch on them.
+// FieldManager is the server-side apply field manager of the status the
+// reconciler writes (observedGeneration, StoreReady, Ready, store,
+// policyHash). The policy stream writes sidecars and SidecarsSynced under
+// its own manager.
+const FieldManager = "idemcp-controller"
+
+// secretRecheck is how soon a policy whose Secret is missing, or not opted
+// in, looks again. Labelled Secrets are watched, so this is a backstop.
 const secretRecheck = 10 * time.Second
 
 // IdempotencyPolicyReconciler reconciles IdempotencyPolicy objects.
 type IdempotencyPolicyReconciler struct {
 	client.Client
-	// APIReader reads Secrets straight from the API server: the manager
-	// caches no Secrets (it may only get and create them).
+	// APIReader reads Secrets and the owners of pods straight from the API
+	// server: the manager caches neither.
 	APIReader client.Reader
 	Scheme    *runtime.Scheme
 	Recorder  events.EventRecorder
-	// RedisImage runs a managed Redis whose policy names no image.
+	// RedisImage runs a new managed Redis whose policy names no image.
 	RedisImage string
 	// SecretRecheck is how soon a policy whose Secret is missing looks
 	// again (default 10s).
 	SecretRecheck time.Duration
 }
 
-// +kubebuilder:rbac:groups=idemcp.io,resources=idempotencypolicies,verbs=get;list;watch
+// +kubebuilder:rbac:groups=idemcp.io,resources=idempotencypolicies,verbs=get;list;watch;patch
 // +kubebuilder:rbac:groups=idemcp.io,resources=idempotencypolicies/status,verbs=get;update;patch
-// +kubebuilder:rbac:groups="",resources=secrets,verbs=get;create
-// +kubebuilder:rbac:groups="",resources=services,verbs=get;list;watch;create;update;patch
-// +kubebuilder:rbac:groups=apps,resources=deployments;statefulsets,verbs=get;list;watch;create;update;patch;delete
+// +kubebuilder:rbac:groups=idemcp.io,resources=idempotencypolicies/finalizers,verbs=update
+// +kubebuilder:rbac:groups="",resources=secrets,verbs=get;list;watch;create;patch
+// +kubebuilder:rbac:groups="",resources=services,verbs=get;list;watch;create;update;patch;delete
+// +kubebuilder:rbac:groups="",resources=persistentvolumeclaims,verbs=get
+// +kubebuilder:rbac:groups=apps,resources=statefulsets,verbs=get;list;watch;create;update;patch;delete
+// +kubebuilder:rbac:groups=apps,resources=deployments,verbs=get;list;watch;delete
+// +kubebuilder:rbac:groups=apps,resources=replicasets,verbs=get
+// +kubebuilder:rbac:groups=batch,resources=jobs,verbs=get
+// +kubebuilder:rbac:groups=policy,resources=poddisruptionbudgets,verbs=get;list;watch;create;update;patch;delete
+// +kubebuilder:rbac:groups=networking.k8s.io,resources=networkpolicies,verbs=get;list;watch;create;update;patch;delete
 // +kubebuilder:rbac:groups="",resources=pods,verbs=get;list;watch
 // +kubebuilder:rbac:groups=events.k8s.io,resources=events,verbs=create;patch
 
 // Reconcile brings one policy's children and status in line with its spec.
-func (r *IdempotencyPolicyReconciler) Reconcile(ctx context.Context, req ctrl.Request) (result ctrl.Result, retErr error) {
+func (r *IdempotencyPolicyReconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, error) {
 	var p v1alpha1.IdempotencyPolicy
 	if err := r.Get(ctx, req.NamespacedName, &p); err != nil {
 		return ctrl.Result{}, client.IgnoreNotFound(err)
@@ -68,41 +86,92 @@ func (r *IdempotencyPolicyReconciler) Reconcile(ctx context.Context, req ctrl.Re
 	logger := log.FromContext(ctx).WithValues("policy", klog.KObj(&p))
 	ctx = log.IntoContext(ctx, logger)
 
-	before := p.DeepCopy()
-	defer func() {
-		p.Status.ObservedGeneration = p.Generation
-		if err := r.Status().Patch(ctx, &p, client.MergeFrom(before)); err != nil && !apierrors.IsNotFound(err) {
-			retErr = errors.Join(retErr, fmt.Errorf("patching status of %s: %w", klog.KObj(&p), err))
-		}
-	}()
-
-	compiled, err := policy.Compile(p.Spec)
+	pods, err := r.listPolicyPods(ctx, &p)
 	if err != nil {
-		r.setCondition(&p, v1alpha1.ConditionReady, metav1.ConditionFalse, v1alpha1.ReasonInvalidSpec, err.Error())
-		return ctrl.Result{}, nil
-	}
-	p.Status.PolicyHash = compiled.Hash
-
-	store, requeue, err := r.reconcileStore(ctx, &p)
-	if err != nil {
-		r.setCondition(&p, v1alpha1.ConditionStoreReady, metav1.ConditionFalse, v1alpha1.ReasonProvisioningFailed, err.Error())
-		r.setCondition(&p, v1alpha1.ConditionReady, metav1.ConditionFalse, v1alpha1.ReasonStoreNotReady, "the store is not ready: "+err.Error())
 		return ctrl.Result{}, err
 	}
-	r.setCondition(&p, v1alpha1.ConditionStoreReady, store.status, store.reason, store.message)
-	p.Status.Store = &v1alpha1.StoreStatus{Endpoint: store.endpoint}
-	if store.status == metav1.ConditionTrue {
-		r.setCondition(&p, v1alpha1.ConditionReady, metav1.ConditionTrue, v1alpha1.ReasonReady, "the policy is enforced by every sidecar that uses it")
-	} else {
-		r.setCondition(&p, v1alpha1.ConditionReady, metav1.ConditionFalse, v1alpha1.ReasonStoreNotReady, "the store is not ready: "+store.message)
+	if !p.DeletionTimestamp.IsZero() {
+		return ctrl.Result{}, r.finalize(ctx, &p, pods)
 	}
-	return ctrl.Result{RequeueAfter: requeue}, nil
+	if !controllerutil.ContainsFinalizer(&p, v1alpha1.FinalizerInUse) {
+		before := p.DeepCopy()
+		controllerutil.AddFinalizer(&p, v1alpha1.FinalizerInUse)
+		if err := r.Patch(ctx, &p, client.MergeFromWithOptions(before, client.MergeFromWithOptimisticLock{})); err != nil {
+			return ctrl.Result{}, fmt.Errorf("adding the finalizer to %s: %w", klog.KObj(&p), err)
+		}
+	}
+
+	st := ownedStatus{ObservedGeneration: p.Generation}
+	compiled, err := policy.Compile(p.Spec)
+	if err != nil {
+		// Nothing of the previous generation stays: no hash, no store.
+		st.setStore(&p, metav1.ConditionUnknown, v1alpha1.ReasonInvalidSpec, "the spec does not compile: "+err.Error())
+		return ctrl.Result{}, r.writeStatus(ctx, &p, st)
+	}
+	st.PolicyHash = compiled.Hash
+
+	store, requeue, err := r.reconcileStore(ctx, &p, pods)
+	var conflict *conflictError
+	switch {
+	case errors.As(err, &conflict):
+		store = storeState{status: metav1.ConditionFalse, reason: v1alpha1.ReasonRedisObjectConflict, message: conflict.Error()}
+		requeue, err = r.recheck(), nil
+	case err != nil:
+		store = storeState{status: metav1.ConditionFalse, reason: v1alpha1.ReasonProvisioningFailed, message: err.Error()}
+	}
+	if err == nil {
+		var sealRequeue time.Duration
+		sealRequeue, err = r.reconcileSealKey(ctx, &p, compiled, pods)
+		if errors.As(err, &conflict) {
+			store = storeState{status: metav1.ConditionFalse, reason: v1alpha1.ReasonRedisObjectConflict, message: conflict.Error()}
+			sealRequeue, err = r.recheck(), nil
+		} else if err != nil {
+			store = storeState{status: metav1.ConditionFalse, reason: v1alpha1.ReasonProvisioningFailed, message: err.Error()}
+		}
+		if sealRequeue > 0 && (requeue == 0 || sealRequeue < requeue) {
+			requeue = sealRequeue
+		}
+	}
+	st.setStore(&p, store.status, store.reason, store.message)
+	if store.endpoint != "" || store.image != "" {
+		st.Store = &v1alpha1.StoreStatus{Endpoint: store.endpoint, Image: store.image}
+	}
+	r.warnOnChange(&p, store)
+	return ctrl.Result{RequeueAfter: requeue}, errors.Join(err, r.writeStatus(ctx, &p, st))
 }
 
-func (r *IdempotencyPolicyReconciler) setCondition(p *v1alpha1.IdempotencyPolicy, typ string, status metav1.ConditionStatus, reason, msg string) {
-	meta.SetStatusCondition(&p.Status.Conditions, metav1.Condition{
-		Type: typ, Status: status, Reason: reason, Message: msg, ObservedGeneration: p.Generation,
-	})
+// finalize holds a policy being deleted while any pod uses it: its Redis
+// must outlive the sidecars that store claims in it.
+func (r *IdempotencyPolicyReconciler) finalize(ctx context.Context, p *v1alpha1.IdempotencyPolicy, pods *policyPods) error {
+	if !controllerutil.ContainsFinalizer(p, v1alpha1.FinalizerInUse) {
+		return nil
+	}
+	if n := len(pods.live); n > 0 {
+		names := make([]string, 0, n)
+		for _, pod := range pods.live {
+			names = append(names, pod.Name)
+		}
+		slices.Sort(names)
+		if len(names) > 5 {
+			names = append(names[:5], "...")
+		}
+		st := ownedStatus{ObservedGeneration: p.Generation, PolicyHash: p.Status.PolicyHash, Store: p.Status.Store}
+		if c := meta.FindStatusCondition(p.Status.Conditions, v1alpha1.ConditionStoreReady); c != nil {
+			st.Conditions = append(st.Conditions, *c)
+		}
+		st.deleting = fmt.Sprintf("the policy is being deleted, and waits until no pod uses it: %d pods still do (%s) in workloads %s; delete or change them, and the policy and its store go",
+			n, strings.Join(names, ", "), strings.Join(pods.names(), ", "))
+		return r.writeStatus(ctx, p, st)
+	}
+	if err := errors.Join(r.releaseRedisSecret(ctx, p), r.releaseSecret(ctx, p, SealName(p.Name))); err != nil {
+		return err
+	}
+	before := p.DeepCopy()
+	controllerutil.RemoveFinalizer(p, v1alpha1.FinalizerInUse)
+	if err := r.Patch(ctx, p, client.MergeFromWithOptions(before, client.MergeFromWithOptimisticLock{})); err != nil && !apierrors.IsNotFound(err) {
+		return fmt.Errorf("removing the finalizer of %s: %w", klog.KObj(p), err)
+	}
+	return nil
 }
 
 // storeState is what the store part of the status should say.
@@ -111,47 +180,62 @@ type storeState struct {
 	reason   string
 	message  string
 	endpoint string
+	image    string
 }
 
-func (r *IdempotencyPolicyReconciler) reconcileStore(ctx context.Context, p *v1alpha1.IdempotencyPolicy) (storeState, time.Duration, error) {
-	switch {
-	case p.Spec.Store.Type == v1alpha1.StoreRedis && p.Spec.Store.Redis != nil && p.Spec.Store.Redis.Managed != nil:
-		return r.reconcileManagedRedis(ctx, p)
-	case p.Spec.Store.Type == v1alpha1.StoreRedis && p.Spec.Store.Redis != nil && p.Spec.Store.Redis.External != nil:
-		return r.reconcileExternalRedis(ctx, p)
-	default:
-		return r.reconcileMemory(ctx, p)
+func (r *IdempotencyPolicyReconciler) reconcileStore(ctx context.Context, p *v1alpha1.IdempotencyPolicy, pods *policyPods) (storeState, time.Duration, error) {
+	redis := p.Spec.Store.Redis
+	managed := p.Spec.Store.Type == v1alpha1.StoreRedis && redis != nil && redis.Managed != nil
+	if !managed {
+		if err := r.removeManagedRedis(ctx, p); err != nil {
+			return storeState{}, 0, err
+		}
 	}
+	var (
+		st      storeState
+		requeue time.Duration
+		err     error
+	)
+	switch {
+	case managed:
+		st, requeue, err = r.reconcileManagedRedis(ctx, p, pods)
+	case p.Spec.Store.Type == v1alpha1.StoreRedis && redis != nil && redis.External != nil:
+		st, requeue, err = r.reconcileExternalRedis(ctx, p)
+	case p.Spec.Store.Type == v1alpha1.StorePostgres && p.Spec.Store.Postgres != nil:
+		st, requeue, err = r.reconcilePostgres(ctx, p)
+	default:
+		return memoryState(pods), 0, nil
+	}
+	if err == nil && st.status == metav1.ConditionTrue {
+		if ws := pods.names(); len(ws) > 1 {
+			st.reason = v1alpha1.ReasonStoreSharedByWorkloads
+			st.message = fmt.Sprintf("pods of %d workloads use this policy (%s): a policy's key space belongs to one MCP server, so these servers may replay each other's results for the same tool and arguments; give each its own policy",
+				len(ws), strings.Join(ws, ", "))
+		}
+	}
+	return st, requeue, err
 }
 
-func (r *IdempotencyPolicyReconciler) reconcileMemory(ctx context.Context, p *v1alpha1.IdempotencyPolicy) (storeState, time.Duration, error) {
+func memoryState(pods *policyPods) storeState {
 	st := storeState{status: metav1.ConditionTrue, reason: v1alpha1.ReasonMemoryStore, endpoint: "memory",
 		message: "each sidecar keeps its own records in memory"}
-	var pods corev1.PodList
-	if err := r.List(ctx, &pods, client.InNamespace(p.Namespace), client.MatchingLabels{v1alpha1.LabelPolicy: p.Name}); err != nil {
-		return st, 0, fmt.Errorf("listing pods of %s: %w", klog.KObj(p), err)
-	}
-	n := 0
-	for i := range pods.Items {
-		if pods.Items[i].DeletionTimestamp == nil && pods.Items[i].Status.Phase != corev1.PodSucceeded && pods.Items[i].Status.Phase != corev1.PodFailed {
-			n++
-		}
-	}
-	if n > 1 {
+	if n, detail := pods.serving(); n > 1 {
 		st.reason = v1alpha1.ReasonMemoryStoreShared
-		st.message = fmt.Sprintf("%d pods use this policy with the Memory store: each keeps its own records, so a retry that reaches another replica runs again; use store.type: Redis to share them", n)
-		if !meta.IsStatusConditionPresentAndEqual(p.Status.Conditions, v1alpha1.ConditionStoreReady, metav1.ConditionTrue) ||
-			meta.FindStatusCondition(p.Status.Conditions, v1alpha1.ConditionStoreReady).Reason != v1alpha1.ReasonMemoryStoreShared {
-			r.Recorder.Eventf(p, nil, corev1.EventTypeWarning, v1alpha1.ReasonMemoryStoreShared, "CheckStore", st.message)
-		}
+		st.message = fmt.Sprintf("%d replicas serve at once with the Memory store (%s): each keeps its own records, so a retry that reaches another replica runs again; use store.type: Redis to share them",
+			n, strings.Join(detail, ", "))
 	}
-	return st, 0, nil
+	return st
+}
+
+// secretLabelHint is how a person opts a Secret in.
+func secretLabelHint(ns, name string) string {
+	return fmt.Sprintf("kubectl -n %s label secret %s %s=true", ns, name, v1alpha1.LabelCredentials)
 }
 
 func (r *IdempotencyPolicyReconciler) reconcileExternalRedis(ctx context.Context, p *v1alpha1.IdempotencyPolicy) (storeState, time.Duration, error) {
 	ext := p.Spec.Store.Redis.External
-	st := storeState{status: metav1.ConditionTrue, reason: v1alpha1.ReasonExternalRedis,
-		endpoint: strings.Join(ext.Addresses, ","), message: "sidecars connect to " + strings.Join(ext.Addresses, ",")}
+	addrs := strings.Join(ext.Addresses, ",")
+	st := storeState{status: metav1.ConditionTrue, reason: v1alpha1.ReasonExternalRedis, endpoint: addrs, message: "sidecars connect to " + addrs}
 	ref := ext.PasswordSecretRef
 	if ref == nil {
 		st.message += " without a password"
@@ -162,16 +246,20 @@ func (r *IdempotencyPolicyReconciler) reconcileExternalRedis(ctx context.Context
 	switch {
 	case apierrors.IsNotFound(err):
 		st.status, st.reason = metav1.ConditionFalse, v1alpha1.ReasonSecretNotFound
-		st.message = fmt.Sprintf("Secret %s/%s named by spec.store.redis.external.passwordSecretRef does not exist; create it with the Redis password under key %q", p.Namespace, ref.Name, ref.Key)
-		r.warnOnce(p, st)
+		st.message = fmt.Sprintf("Secret %s/%s named by spec.store.redis.external.passwordSecretRef does not exist; create it with the Redis password under key %q and the label %s: \"true\"", p.Namespace, ref.Name, ref.Key, v1alpha1.LabelCredentials)
 		return st, r.recheck(), nil
 	case err != nil:
-		return st, 0, fmt.Errorf("reading Secret %s/%s: %w", p.Namespace, ref.Name, err)
+		return storeState{}, 0, fmt.Errorf("reading Secret %s/%s: %w", p.Namespace, ref.Name, err)
+	}
+	if secret.Labels[v1alpha1.LabelCredentials] != "true" {
+		st.status, st.reason = metav1.ConditionFalse, v1alpha1.ReasonSecretNotLabelled
+		st.message = fmt.Sprintf("Secret %s/%s named by spec.store.redis.external.passwordSecretRef lacks the label %s: \"true\", which opts a Secret in to use by idemcp (so that editing a policy cannot send any Secret to any address); add it: %s",
+			p.Namespace, ref.Name, v1alpha1.LabelCredentials, secretLabelHint(p.Namespace, ref.Name))
+		return st, r.recheck(), nil
 	}
 	if _, ok := secret.Data[ref.Key]; !ok {
 		st.status, st.reason = metav1.ConditionFalse, v1alpha1.ReasonSecretKeyMissing
 		st.message = fmt.Sprintf("Secret %s/%s has no key %q (spec.store.redis.external.passwordSecretRef.key); add the Redis password under that key", p.Namespace, ref.Name, ref.Key)
-		r.warnOnce(p, st)
 		return st, r.recheck(), nil
 	}
 	return st, 0, nil
@@ -184,116 +272,174 @@ func (r *IdempotencyPolicyReconciler) recheck() time.Duration {
 	return secretRecheck
 }
 
-// warnOnce records a Warning event when the store condition changes to st.
-func (r *IdempotencyPolicyReconciler) warnOnce(p *v1alpha1.IdempotencyPolicy, st storeState) {
-	if c := meta.FindStatusCondition(p.Status.Conditions, v1alpha1.ConditionStoreReady); c != nil && c.Reason == st.reason && c.Status == st.status {
+// warningReasons are StoreReady reasons a person should act on: each is
+// also a Warning event, recorded when the reason first appears.
+var warningReasons = map[string]bool{
+	v1alpha1.ReasonMemoryStoreShared:      true,
+	v1alpha1.ReasonStoreSharedByWorkloads: true,
+	v1alpha1.ReasonSecretNotFound:         true,
+	v1alpha1.ReasonSecretKeyMissing:       true,
+	v1alpha1.ReasonSecretNotLabelled:      true,
+	v1alpha1.ReasonInvalidSecret:          true,
+	v1alpha1.ReasonRedisObjectConflict:    true,
+	v1alpha1.ReasonRedisPasswordReset:     true,
+	v1alpha1.ReasonProvisioningFailed:     true,
+}
+
+func (r *IdempotencyPolicyReconciler) warnOnChange(p *v1alpha1.IdempotencyPolicy, st storeState) {
+	if !warningReasons[st.reason] {
 		return
 	}
-	r.Recorder.Eventf(p, nil, corev1.EventTypeWarning, st.reason, "CheckStore", st.message)
+	if c := meta.FindStatusCondition(p.Status.Conditions, v1alpha1.ConditionStoreReady); c != nil && c.Reason == st.reason && c.Status == st.status && c.Message == st.message {
+		return
+	}
+	r.Recorder.Eventf(p, nil, corev1.EventTypeWarning, st.reason, "CheckStore", "%s", st.message)
 }
 
-func (r *IdempotencyPolicyReconciler) reconcileManagedRedis(ctx context.Context, p *v1alpha1.IdempotencyPolicy) (storeState, time.Duration, error) {
-	name := RedisName(p.Name)
-	if err := r.ensureRedisSecret(ctx, p); err != nil {
-		return storeState{}, 0, err
-	}
-	image := r.RedisImage
-	if image == "" {
-		image = DefaultRedisImage
-	}
-	var available bool
-	if p.Spec.Store.Redis.Managed.Storage != nil {
-		sts := &appsv1.StatefulSet{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: p.Namespace}}
-		if err := r.apply(ctx, p, sts, func() { mutateRedisStatefulSet(sts, p, image) }); err != nil {
-			return storeState{}, 0, err
-		}
-		if err := r.deleteOwned(ctx, p, &appsv1.Deployment{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: p.Namespace}}); err != nil {
-			return storeState{}, 0, err
-		}
-		available = sts.Status.AvailableReplicas > 0 && sts.Status.ObservedGeneration >= sts.Generation
-	} else {
-		dep := &appsv1.Deployment{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: p.Namespace}}
-		if err := r.apply(ctx, p, dep, func() { mutateRedisDeployment(dep, p, image) }); err != nil {
-			return storeState{}, 0, err
-		}
-		if err := r.deleteOwned(ctx, p, &appsv1.StatefulSet{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: p.Namespace}}); err != nil {
-			return storeState{}, 0, err
-		}
-		available = dep.Status.AvailableReplicas > 0
-	}
-	svc := &corev1.Service{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: p.Namespace}}
-	if err := r.apply(ctx, p, svc, func() { mutateRedisService(svc, p) }); err != nil {
-		return storeState{}, 0, err
-	}
-	st := storeState{endpoint: RedisEndpoint(p)}
-	if available {
-		st.status, st.reason, st.message = metav1.ConditionTrue, v1alpha1.ReasonRedisAvailable, "managed Redis "+name+" is available at "+st.endpoint
-		if p.Spec.Store.Redis.Managed.Storage == nil {
-			st.message += "; it has no persistent volume, so a restart of its pod loses stored results and claims in flight: set store.redis.managed.storage to keep them"
-		}
-	} else {
-		st.status, st.reason = metav1.ConditionFalse, v1alpha1.ReasonRedisProvisioning
-		st.message = fmt.Sprintf("managed Redis %s has no available replica yet; see kubectl -n %s describe pods -l app.kubernetes.io/instance=%s", name, p.Namespace, name)
-	}
-	return st, 0, nil
+// ownedStatus is the part of the status the reconciler owns, written with
+// server-side apply: a field it leaves out is cleared.
+type ownedStatus struct {
+	ObservedGeneration int64                 `json:"observedGeneration"`
+	Conditions         []metav1.Condition    `json:"conditions,omitempty"`
+	Store              *v1alpha1.StoreStatus `json:"store,omitempty"`
+	PolicyHash         string                `json:"policyHash,omitempty"`
+
+	// deleting, when set, is why a policy being deleted is still there.
+	deleting string `json:"-"`
 }
 
-// ensureRedisSecret creates the managed Redis's password once. It is never
-// updated: a new password would lock out every running sidecar.
-func (r *IdempotencyPolicyReconciler) ensureRedisSecret(ctx context.Context, p *v1alpha1.IdempotencyPolicy) error {
-	name := RedisName(p.Name)
-	var existing corev1.Secret
-	err := r.APIReader.Get(ctx, types.NamespacedName{Namespace: p.Namespace, Name: name}, &existing)
-	if err == nil {
-		if !metav1.IsControlledBy(&existing, p) {
-			return fmt.Errorf("secret %s/%s exists and is not owned by this policy; delete or rename it so idemcp can create the Redis password", p.Namespace, name)
+func (s *ownedStatus) setStore(p *v1alpha1.IdempotencyPolicy, status metav1.ConditionStatus, reason, msg string) {
+	conds := slices.Clone(p.Status.Conditions)
+	meta.SetStatusCondition(&conds, metav1.Condition{Type: v1alpha1.ConditionStoreReady, Status: status, Reason: reason, Message: msg, ObservedGeneration: p.Generation})
+	s.Conditions = []metav1.Condition{*meta.FindStatusCondition(conds, v1alpha1.ConditionStoreReady)}
+}
+
+// Ready sums the other conditions up, and nothing else: the store's
+// (written here) and the sidecars' (written by the policy stream), so both
+// writers agree on it.
+func Ready(generation int64, conds []metav1.Condition, deleting string) metav1.Condition {
+	c := metav1.Condition{Type: v1alpha1.ConditionReady, Status: metav1.ConditionTrue, Reason: v1alpha1.ReasonReady,
+		Message: "the policy is enforced by every sidecar that uses it", ObservedGeneration: generation}
+	store := meta.FindStatusCondition(conds, v1alpha1.ConditionStoreReady)
+	sidecars := meta.FindStatusCondition(conds, v1alpha1.ConditionSidecarsSynced)
+	switch {
+	case deleting != "":
+		c.Status, c.Reason, c.Message = metav1.ConditionFalse, v1alpha1.ReasonPolicyInUse, deleting
+	case store != nil && store.Reason == v1alpha1.ReasonInvalidSpec:
+		c.Status, c.Reason, c.Message = metav1.ConditionFalse, v1alpha1.ReasonInvalidSpec, store.Message
+	case store == nil || store.Status != metav1.ConditionTrue:
+		msg := "the store is not checked yet"
+		if store != nil {
+			msg = "the store is not ready: " + store.Message
 		}
-		return nil
+		c.Status, c.Reason, c.Message = metav1.ConditionFalse, v1alpha1.ReasonStoreNotReady, msg
+	case sidecars != nil && sidecars.Status == metav1.ConditionFalse:
+		c.Status, c.Reason, c.Message = metav1.ConditionFalse, v1alpha1.ReasonSidecarsNotSynced, "the sidecars are not synced: "+sidecars.Message
 	}
-	if !apierrors.IsNotFound(err) {
-		return fmt.Errorf("reading Secret %s/%s: %w", p.Namespace, name, err)
+	return c
+}
+
+// writeStatus applies the owned status with server-side apply.
+func (r *IdempotencyPolicyReconciler) writeStatus(ctx context.Context, p *v1alpha1.IdempotencyPolicy, st ownedStatus) error {
+	conds := slices.Clone(p.Status.Conditions)
+	for _, c := range st.Conditions {
+		meta.SetStatusCondition(&conds, c)
 	}
-	password, err := newRedisPassword()
+	meta.SetStatusCondition(&conds, Ready(p.Generation, conds, st.deleting))
+	st.Conditions = append(st.Conditions, *meta.FindStatusCondition(conds, v1alpha1.ConditionReady))
+
+	status, err := runtime.DefaultUnstructuredConverter.ToUnstructured(&st)
 	if err != nil {
-		return fmt.Errorf("generating the Redis password: %w", err)
-	}
-	secret := &corev1.Secret{
-		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: p.Namespace, Labels: redisLabels(p)},
-		Type:       corev1.SecretTypeOpaque,
-		Data:       redisSecretData(password),
-	}
-	if err := controllerutil.SetControllerReference(p, secret, r.Scheme); err != nil {
 		return err
 	}
-	if err := r.Create(ctx, secret); err != nil && !apierrors.IsAlreadyExists(err) {
-		return fmt.Errorf("creating Secret %s/%s: %w", p.Namespace, name, err)
+	u := &unstructured.Unstructured{Object: map[string]any{"status": status}}
+	u.SetGroupVersionKind(v1alpha1.GroupVersion.WithKind("IdempotencyPolicy"))
+	u.SetNamespace(p.Namespace)
+	u.SetName(p.Name)
+	err = r.Status().Apply(ctx, client.ApplyConfigurationFromUnstructured(u), client.FieldOwner(FieldManager), client.ForceOwnership)
+	if err != nil && !apierrors.IsNotFound(err) {
+		return fmt.Errorf("applying the status of %s: %w", klog.KObj(p), err)
 	}
-	r.Recorder.Eventf(p, secret, corev1.EventTypeNormal, "Created", "Provision", "Created Secret %s with the Redis password", name)
 	return nil
 }
 
-// apply creates or updates a child owned by the policy, and records an
-// event when it had to create one.
-func (r *IdempotencyPolicyReconciler) apply(ctx context.Context, p *v1alpha1.IdempotencyPolicy, obj client.Object, mutate func()) error {
-	op, err := controllerutil.CreateOrUpdate(ctx, r.Client, obj, func() error {
-		mutate()
-		return controllerutil.SetControllerReference(p, obj, r.Scheme)
-	})
-	kind := fmt.Sprintf("%T", obj)
-	kind = kind[strings.LastIndex(kind, ".")+1:]
-	if err != nil {
-		return fmt.Errorf("applying %s %s/%s: %w", kind, obj.GetNamespace(), obj.GetName(), err)
+// conflictError is an object idemcp would create that exists and is not
+// its own.
+type conflictError struct{ kind, namespace, name, owner string }
+
+func (e *conflictError) Error() string {
+	owner := "it has no controller"
+	if e.owner != "" {
+		owner = "it is controlled by " + e.owner
 	}
-	switch op {
-	case controllerutil.OperationResultCreated:
+	return fmt.Sprintf("%s %s/%s exists and is not owned by this policy (%s); idemcp never adopts objects it did not create: delete or rename it, or rename the policy",
+		e.kind, e.namespace, e.name, owner)
+}
+
+func newConflict(kind string, obj client.Object) *conflictError {
+	e := &conflictError{kind: kind, namespace: obj.GetNamespace(), name: obj.GetName()}
+	if ref := metav1.GetControllerOf(obj); ref != nil {
+		e.owner = ref.Kind + "/" + ref.Name
+	}
+	return e
+}
+
+func kindOf(obj client.Object) string {
+	k := fmt.Sprintf("%T", obj)
+	return k[strings.LastIndex(k, ".")+1:]
+}
+
+// ensure creates or updates a child owned by the policy. It refuses an
+// existing object the policy does not control, and records an event when
+// it creates or changes one.
+func (r *IdempotencyPolicyReconciler) ensure(ctx context.Context, p *v1alpha1.IdempotencyPolicy, obj client.Object, mutate func()) error {
+	kind := kindOf(obj)
+	key := client.ObjectKeyFromObject(obj)
+	err := r.Get(ctx, key, obj)
+	switch {
+	case apierrors.IsNotFound(err):
+		mutate()
+		if err := controllerutil.SetControllerReference(p, obj, r.Scheme); err != nil {
+			return err
+		}
+		err := r.Create(ctx, obj)
+		if apierrors.IsAlreadyExists(err) {
+			// Either not in the cache yet, or not labelled as idemcp's
+			// (the cache holds only those): ask the API server whose it is.
+			live := obj.DeepCopyObject().(client.Object)
+			if err := r.APIReader.Get(ctx, key, live); err != nil {
+				return fmt.Errorf("reading %s %s: %w", kind, key, err)
+			}
+			if !metav1.IsControlledBy(live, p) {
+				return newConflict(kind, live)
+			}
+			return nil
+		}
+		if err != nil {
+			return fmt.Errorf("creating %s %s: %w", kind, key, err)
+		}
 		log.FromContext(ctx).Info("Created managed Redis object", "kind", kind, "name", obj.GetName())
 		r.Recorder.Eventf(p, obj, corev1.EventTypeNormal, "Created", "Provision", "Created %s %s", kind, obj.GetName())
-	case controllerutil.OperationResultUpdated:
-		r.Recorder.Eventf(p, obj, corev1.EventTypeNormal, "Updated", "Provision", "Updated %s %s", kind, obj.GetName())
+		return nil
+	case err != nil:
+		return fmt.Errorf("reading %s %s: %w", kind, key, err)
 	}
+	if !metav1.IsControlledBy(obj, p) {
+		return newConflict(kind, obj)
+	}
+	before := obj.DeepCopyObject()
+	mutate()
+	if equalObjects(before, obj) {
+		return nil
+	}
+	if err := r.Update(ctx, obj); err != nil {
+		return fmt.Errorf("updating %s %s: %w", kind, key, err)
+	}
+	r.Recorder.Eventf(p, obj, corev1.EventTypeNormal, "Updated", "Provision", "Updated %s %s", kind, obj.GetName())
 	return nil
 }
 
+// deleteOwned deletes obj if the policy controls it.
 func (r *IdempotencyPolicyReconciler) deleteOwned(ctx context.Context, p *v1alpha1.IdempotencyPolicy, obj client.Object) error {
 	if err := r.Get(ctx, client.ObjectKeyFromObject(obj), obj); err != nil {
 		return client.IgnoreNotFound(err)
@@ -301,27 +447,70 @@ func (r *IdempotencyPolicyReconciler) deleteOwned(ctx context.Context, p *v1alph
 	if !metav1.IsControlledBy(obj, p) {
 		return nil
 	}
-	if err := r.Delete(ctx, obj); err != nil && !apierrors.IsNotFound(err) {
-		return fmt.Errorf("deleting %s: %w", obj.GetName(), err)
+	if err := r.Delete(ctx, obj, client.PropagationPolicy(metav1.DeletePropagationBackground)); err != nil && !apierrors.IsNotFound(err) {
+		return fmt.Errorf("deleting %s %s: %w", kindOf(obj), obj.GetName(), err)
 	}
+	r.Recorder.Eventf(p, obj, corev1.EventTypeNormal, "Deleted", "Provision", "Deleted %s %s", kindOf(obj), obj.GetName())
 	return nil
 }
 
+// removeManagedRedis cleans up after a policy that no longer asks for a
+// managed Redis. The Secret stays (owned by the policy, gone with it) so
+// switching back reuses the password, but no longer holds a finalizer.
+func (r *IdempotencyPolicyReconciler) removeManagedRedis(ctx context.Context, p *v1alpha1.IdempotencyPolicy) error {
+	meta := metav1.ObjectMeta{Name: RedisName(p.Name), Namespace: p.Namespace}
+	for _, obj := range []client.Object{
+		&appsv1.StatefulSet{ObjectMeta: meta}, &appsv1.Deployment{ObjectMeta: meta}, &corev1.Service{ObjectMeta: meta},
+		&policyv1.PodDisruptionBudget{ObjectMeta: meta}, &networkingv1.NetworkPolicy{ObjectMeta: meta},
+	} {
+		if err := r.deleteOwned(ctx, p, obj); err != nil {
+			return err
+		}
+	}
+	return r.releaseRedisSecret(ctx, p)
+}
+
 // SetupWithManager registers the reconciler: it owns the managed Redis
-// objects and watches the pods that use a policy.
+// objects, and watches the pods that use a policy and the Secrets opted in
+// to idemcp (metadata only).
 func (r *IdempotencyPolicyReconciler) SetupWithManager(mgr ctrl.Manager) error {
+	secrets := &metav1.PartialObjectMetadata{}
+	secrets.SetGroupVersionKind(corev1.SchemeGroupVersion.WithKind("Secret"))
 	return ctrl.NewControllerManagedBy(mgr).
-		For(&v1alpha1.IdempotencyPolicy{}, builder.WithPredicates(predicate.GenerationChangedPredicate{})).
-		Owns(&appsv1.Deployment{}).
+		For(&v1alpha1.IdempotencyPolicy{}, builder.WithPredicates(predicate.Or[client.Object](
+			predicate.GenerationChangedPredicate{}, deletionOrSidecarsChanged{}))).
 		Owns(&appsv1.StatefulSet{}).
+		Owns(&appsv1.Deployment{}).
 		Owns(&corev1.Service{}).
+		Owns(&policyv1.PodDisruptionBudget{}).
+		Owns(&networkingv1.NetworkPolicy{}).
 		Watches(&corev1.Pod{}, handler.EnqueueRequestsFromMapFunc(podToPolicy),
 			builder.WithPredicates(predicate.NewPredicateFuncs(func(o client.Object) bool {
 				_, ok := o.GetLabels()[v1alpha1.LabelPolicy]
 				return ok
 			}))).
+		WatchesMetadata(secrets, handler.EnqueueRequestsFromMapFunc(r.secretToPolicies)).
 		Named("idempotencypolicy").
 		Complete(r)
+}
+
+// deletionOrSidecarsChanged lets through the policy updates that change
+// no generation but change the status: a deletion, or SidecarsSynced
+// (written by the policy stream), on which Ready depends.
+type deletionOrSidecarsChanged struct{ predicate.Funcs }
+
+func (deletionOrSidecarsChanged) Update(e event.UpdateEvent) bool {
+	o, ok1 := e.ObjectOld.(*v1alpha1.IdempotencyPolicy)
+	n, ok2 := e.ObjectNew.(*v1alpha1.IdempotencyPolicy)
+	if !ok1 || !ok2 {
+		return false
+	}
+	if o.DeletionTimestamp.IsZero() != n.DeletionTimestamp.IsZero() || len(o.Finalizers) != len(n.Finalizers) {
+		return true
+	}
+	oc := meta.FindStatusCondition(o.Status.Conditions, v1alpha1.ConditionSidecarsSynced)
+	nc := meta.FindStatusCondition(n.Status.Conditions, v1alpha1.ConditionSidecarsSynced)
+	return (oc == nil) != (nc == nil) || (oc != nil && (oc.Status != nc.Status || oc.Message != nc.Message))
 }
 
 func podToPolicy(_ context.Context, o client.Object) []reconcile.Request {
@@ -330,4 +519,27 @@ func podToPolicy(_ context.Context, o client.Object) []reconcile.Request {
 		return nil
 	}
 	return []reconcile.Request{{NamespacedName: types.NamespacedName{Namespace: o.GetNamespace(), Name: name}}}
+}
+
+// secretToPolicies maps a Secret to the policies of its namespace that
+// name it: as their external password, their managed Redis's, or their
+// seal keys.
+func (r *IdempotencyPolicyReconciler) secretToPolicies(ctx context.Context, o client.Object) []reconcile.Request {
+	var list v1alpha1.IdempotencyPolicyList
+	if err := r.List(ctx, &list, client.InNamespace(o.GetNamespace())); err != nil {
+		log.FromContext(ctx).Error(err, "Listing policies for a Secret", "secret", klog.KObj(o))
+		return nil
+	}
+	var out []reconcile.Request
+	for i := range list.Items {
+		p := &list.Items[i]
+		ref := (*v1alpha1.SecretKeyRef)(nil)
+		if s := p.Spec.Store.Redis; s != nil && s.External != nil {
+			ref = s.External.PasswordSecretRef
+		}
+		if RedisName(p.Name) == o.GetName() || SealName(p.Name) == o.GetName() || (ref != nil && ref.Name == o.GetName()) {
+			out = append(out, reconcile.Request{NamespacedName: client.ObjectKeyFromObject(p)})
+		}
+	}
+	return out
 }

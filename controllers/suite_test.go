@@ -11,7 +11,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/envtest"
 
-	"github.com/idemcp/idemcp/controllers"
+	"github.com/idemcp/idemcp/cmd/manager"
 	"github.com/idemcp/idemcp/test/envtestutil"
 	"github.com/idemcp/idemcp/webhook"
 )
@@ -26,7 +26,7 @@ var (
 // TestMain starts a real kube-apiserver and etcd (built by
 // hack/setup-envtest.sh) with the CRD and webhook installed, and the manager.
 func TestMain(m *testing.M) {
-	os.Exit(envtestutil.RunWithManager(m, controllers.ManagerOptions{
+	os.Exit(envtestutil.RunWithManager(m, manager.Options{
 		RedisImage: "redis:7.4-alpine", SecretRecheck: time.Second, MissingPolicy: "deny",
 		Sidecar: webhook.DefaultConfig("ghcr.io/idemcp/idemcp:test"), Namespace: "idemcp-system",
 	}, func(c *envtestutil.Cluster) {

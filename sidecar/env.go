@@ -3,43 +3,9 @@ package sidecar
 import (
 	"errors"
 	"fmt"
-	"os"
-	"strconv"
-	"time"
 
-	"github.com/idemcp/idemcp/sidecar/policy"
+	"github.com/idemcp/idemcp/internal/policy"
 )
-
-// Env returns $IDEMCP_<name>, or def: every flag of the sidecar and of
-// wrap can also be set in the environment.
-func Env(name, def string) string {
-	if v, ok := os.LookupEnv("IDEMCP_" + name); ok {
-		return v
-	}
-	return def
-}
-
-// EnvInt is Env for integers; an unparsable value is ignored.
-func EnvInt(name string, def int64) int64 {
-	if n, err := strconv.ParseInt(os.Getenv("IDEMCP_"+name), 10, 64); err == nil {
-		return n
-	}
-	return def
-}
-
-// EnvBool is Env for booleans; an unparsable value is false.
-func EnvBool(name string) bool {
-	b, _ := strconv.ParseBool(os.Getenv("IDEMCP_" + name))
-	return b
-}
-
-// EnvDuration is Env for durations; an unparsable value is ignored.
-func EnvDuration(name string, def time.Duration) time.Duration {
-	if d, err := time.ParseDuration(os.Getenv("IDEMCP_" + name)); err == nil {
-		return d
-	}
-	return def
-}
 
 // LoadPolicy compiles the policy given as a file or inline (the webhook's
 // snapshot), or returns the defaults when neither is given.

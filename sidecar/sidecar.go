@@ -5,6 +5,8 @@ package sidecar
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"errors"
 	"flag"
 	"fmt"
@@ -21,15 +23,17 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"github.com/redis/go-redis/v9"
 
+	"github.com/idemcp/idemcp/internal/cli"
+	"github.com/idemcp/idemcp/internal/policy"
 	"github.com/idemcp/idemcp/sidecar/engine"
 	"github.com/idemcp/idemcp/sidecar/httpproxy"
-	"github.com/idemcp/idemcp/sidecar/policy"
 	"github.com/idemcp/idemcp/sidecar/store"
 	redisstore "github.com/idemcp/idemcp/sidecar/store/redis"
+	"github.com/idemcp/idemcp/sidecar/toollist"
 )
 
 // Options are the sidecar's flags; each also reads IDEMCP_<FLAG> from the
-// environment (IDEMCP_LISTEN, IDEMCP_UPSTREAM, ...).
+// environment (IDEMCP_LISTEN, IDEMCP_UPSTREAM, ...; see NewFlagSet).
 type Options struct {
 	Listen     string
 	Upstream   string
@@ -43,6 +47,25 @@ type Options struct {
 	Store            StoreOptions
 	ShutdownTimeout  time.Duration
 	LogLevel         string
+	Push             PushOptions
+	Limits           LimitOptions
+}
+
+// LimitOptions bound what one caller, or all of them, can hold in the
+// sidecar at once. 0 means the default; a negative value, no bound.
+type LimitOptions struct {
+	MaxWaitersPerKey       int
+	MaxWaitersPerPrincipal int
+	MaxStreamsPerPrincipal int
+	MaxStreams             int
+}
+
+// Flags registers the limit flags on fs.
+func (o *LimitOptions) Flags(fs *flag.FlagSet) {
+	fs.IntVar(&o.MaxWaitersPerKey, "max-waiters-per-key", engine.DefaultMaxWaitersPerKey, "most duplicates waiting at once for one call in flight; more get error -32017 (negative: no bound)")
+	fs.IntVar(&o.MaxWaitersPerPrincipal, "max-waiters-per-principal", engine.DefaultMaxWaitersPerPrincipal, "most duplicates one principal has waiting at once for calls in flight (callers with no principal count as one); more get error -32017 (negative: no bound)")
+	fs.IntVar(&o.MaxStreamsPerPrincipal, "max-streams-per-principal", httpproxy.DefaultMaxStreamsPerPrincipal, "most requests and streams one principal holds open at once (callers with no principal count as one); more get HTTP 429 (negative: no bound)")
+	fs.IntVar(&o.MaxStreams, "max-streams", httpproxy.DefaultMaxStreams, "most requests and streams the sidecar holds open at once; more get HTTP 503 (negative: no bound)")
 }
 
 // StoreOptions choose and reach the store; `idemcp sidecar` and
@@ -51,6 +74,7 @@ type StoreOptions struct {
 	// Kind overrides the policy's store.type: "memory" or "redis".
 	Kind             string
 	MemoryMaxEntries int
+	MemoryMaxBytes   int64
 	// RedisAddrs, RedisSentinelMaster and RedisTLS override
 	// store.redis.external of the policy.
 	RedisAddrs          string
@@ -60,43 +84,102 @@ type StoreOptions struct {
 	// comes from IDEMCP_REDIS_PASSWORD (a secretKeyRef env var in a pod).
 	RedisPasswordFile string
 	RedisKeyPrefix    string
+	// RedisMinReplicas makes every claim and stored result wait until this
+	// many replicas acknowledge it (Redis WAIT), for RedisReplicaTimeout.
+	RedisMinReplicas    int
+	RedisReplicaTimeout time.Duration
+	// Upstream names the MCP server (its URL, or the command `wrap` runs).
+	// Without --redis-key-prefix, the key prefix names it: a policy's key
+	// space belongs to one MCP server, and two servers that share a Redis
+	// must never replay each other's results. Not a flag: set by the
+	// command.
+	Upstream string
+	// RedisURL is a redis:// or rediss:// URL (the REDIS_URL convention);
+	// --redis-addr and the password flags override its parts.
+	RedisURL string
+	// PostgresURL, PostgresPasswordFile, PostgresListenURL and
+	// PostgresKeyPrefix configure the PostgreSQL store (see postgres.go).
+	PostgresURL          string
+	PostgresPasswordFile string
+	PostgresListenURL    string
+	PostgresKeyPrefix    string
+	// SealKeysFile holds the seal keyring; without it the keyring comes
+	// from IDEMCP_SEAL_KEYS (a secretKeyRef env var in a pod). See seal.go.
+	SealKeysFile string
+	// SealOpenFailures counts stored results that failed to open, by
+	// reason (nil: not counted). Not a flag: set by the command.
+	SealOpenFailures *prometheus.CounterVec
 }
 
-// Flags registers the store flags on fs, with defaults from the environment.
+// Flags registers the store flags on fs; BindEnv gives each its
+// IDEMCP_* variable.
 func (o *StoreOptions) Flags(fs *flag.FlagSet) {
-	fs.StringVar(&o.Kind, "store", Env("STORE", ""), "memory or redis (default: the policy's spec.store.type)")
-	fs.IntVar(&o.MemoryMaxEntries, "memory-max-entries", int(EnvInt("MEMORY_MAX_ENTRIES", store.DefaultMaxEntries)), "most records the memory store holds")
-	fs.StringVar(&o.RedisAddrs, "redis-addr", Env("REDIS_ADDR", ""), "Redis host:port, comma-separated for Cluster seeds or Sentinels (default: the policy's store.redis.external.addresses)")
-	fs.StringVar(&o.RedisSentinelMaster, "redis-sentinel-master", Env("REDIS_SENTINEL_MASTER", ""), "master name when --redis-addr lists Sentinels")
-	fs.BoolVar(&o.RedisTLS, "redis-tls", EnvBool("REDIS_TLS"), "connect to Redis with TLS")
-	fs.StringVar(&o.RedisPasswordFile, "redis-password-file", Env("REDIS_PASSWORD_FILE", ""), "file holding the Redis password (default: $IDEMCP_REDIS_PASSWORD)")
-	fs.StringVar(&o.RedisKeyPrefix, "redis-key-prefix", Env("REDIS_KEY_PREFIX", ""), "prefix of every Redis key (default: idemcp:NAMESPACE/POLICY:)")
+	fs.Var(cli.Choice(&o.Kind, "", "memory", "redis", "postgres"), "store", "memory, redis or postgres (default: the policy's spec.store.type)")
+	fs.IntVar(&o.MemoryMaxEntries, "memory-max-entries", store.DefaultMaxEntries, "most records the memory store holds")
+	fs.Int64Var(&o.MemoryMaxBytes, "memory-store-max-bytes", store.DefaultMaxBytes, "most bytes the memory store's records take; the oldest completed results of the principal holding the most make room")
+	fs.StringVar(&o.RedisAddrs, "redis-addr", "", "Redis host:port, comma-separated for Cluster seeds or Sentinels (default: the policy's store.redis.external.addresses)")
+	fs.StringVar(&o.RedisSentinelMaster, "redis-sentinel-master", "", "master name when --redis-addr lists Sentinels")
+	fs.BoolVar(&o.RedisTLS, "redis-tls", false, "connect to Redis with TLS")
+	fs.StringVar(&o.RedisPasswordFile, "redis-password-file", "", "file holding the Redis password (default: $IDEMCP_REDIS_PASSWORD)")
+	fs.StringVar(&o.RedisKeyPrefix, "redis-key-prefix", "", "prefix of every Redis key; the sidecars of one MCP server share it (default: idemcp:NAMESPACE/POLICY: plus a hash of the upstream)")
+	fs.IntVar(&o.RedisMinReplicas, "redis-min-replicas", 0, "make every claim, renewal and stored result wait until this many Redis replicas have it (WAIT); fewer in time is a store failure, and onStoreUnavailable decides (0: do not wait)")
+	fs.DurationVar(&o.RedisReplicaTimeout, "redis-min-replicas-timeout", redisstore.DefaultReplicaTimeout, "how long a write waits for --redis-min-replicas")
+	o.extraFlags(fs)
+	o.sealFlags(fs)
 }
 
-// Flags registers the options on fs, with defaults from the environment.
+// BindEnv binds the store flags to the variables of other tools' conventions
+// (REDIS_URL, DATABASE_URL), read when the IDEMCP_* ones are not set.
+func (o *StoreOptions) BindEnv(s *cli.Set) {
+	s.AlsoEnv("redis-url", "REDIS_URL")
+	s.AlsoEnv("postgres-url", "DATABASE_URL")
+}
+
+// Flags registers the options on fs.
 func (o *Options) Flags(fs *flag.FlagSet) {
-	fs.StringVar(&o.Listen, "listen", Env("LISTEN", ":8081"), "address the proxy listens on")
-	fs.StringVar(&o.Upstream, "upstream", Env("UPSTREAM", ""), "URL of the MCP server, such as http://127.0.0.1:8080 (required)")
-	fs.StringVar(&o.PolicyFile, "policy-file", Env("POLICY_FILE", ""), "an IdempotencyPolicy YAML file; only its spec is used (default: Memory store, Session scope, Auto, 24h TTL)")
-	fs.StringVar(&o.Policy, "policy", Env("POLICY", ""), "an inline IdempotencyPolicy manifest (YAML or JSON), as the webhook injects it; exclusive with --policy-file")
-	fs.StringVar(&o.AdminListen, "admin-listen", Env("ADMIN_LISTEN", ":9091"), "address of /healthz, /readyz and /metrics (empty: off)")
-	fs.Int64Var(&o.MaxBodyBytes, "max-body-bytes", EnvInt("MAX_BODY_BYTES", httpproxy.DefaultMaxBodyBytes), "largest request body accepted")
-	fs.Int64Var(&o.MaxResponseBytes, "max-response-bytes", EnvInt("MAX_RESPONSE_BYTES", httpproxy.DefaultMaxResponseBytes), "largest response message of a deduplicated call that is relayed")
+	fs.StringVar(&o.Listen, "listen", ":8081", "address the proxy listens on")
+	fs.StringVar(&o.Upstream, "upstream", "", "URL of the MCP server, such as http://127.0.0.1:8080 (required)")
+	fs.StringVar(&o.PolicyFile, "policy-file", "", "an IdempotencyPolicy YAML file; only its spec is used (default: Memory store, Session scope, Auto, 24h TTL)")
+	fs.StringVar(&o.Policy, "policy", "", "an inline IdempotencyPolicy manifest (YAML or JSON), as the webhook injects it; exclusive with --policy-file")
+	fs.StringVar(&o.AdminListen, "admin-listen", DefaultAdminListen, "address of /healthz, /readyz and /metrics (empty: off); the webhook sets the pod's admin port")
+	fs.Int64Var(&o.MaxBodyBytes, "max-body-bytes", httpproxy.DefaultMaxBodyBytes, "largest request body accepted")
+	fs.Int64Var(&o.MaxResponseBytes, "max-response-bytes", httpproxy.DefaultMaxResponseBytes, "largest response message of a deduplicated call that is relayed")
 	o.Store.Flags(fs)
-	fs.DurationVar(&o.ShutdownTimeout, "shutdown-timeout", EnvDuration("SHUTDOWN_TIMEOUT", 30*time.Second), "how long to wait for calls in flight when stopping")
-	fs.StringVar(&o.LogLevel, "log-level", Env("LOG_LEVEL", "info"), "debug, info, warn or error")
+	o.Push.Flags(fs)
+	o.Limits.Flags(fs)
+	fs.DurationVar(&o.ShutdownTimeout, "shutdown-timeout", 30*time.Second, "how long to wait for calls in flight when stopping")
+	fs.Var(cli.Choice(&o.LogLevel, "info", "debug", "info", "warn", "error"), "log-level", "debug, info, warn or error")
+}
+
+// DefaultAdminListen is loopback: run by hand, the metrics and probes are
+// nobody else's business. In a pod the webhook gives the admin port
+// explicitly, for the kubelet's probes and for scraping.
+const DefaultAdminListen = "127.0.0.1:9091"
+
+const sidecarIntro = `Usage: idemcp sidecar --upstream URL [flags]
+
+Runs the dedup proxy in front of a Streamable HTTP (or legacy HTTP+SSE)
+MCP server: retried tools/call requests get the first call's result.`
+
+// NewFlagSet returns the flags of `idemcp sidecar`, bound to o and to
+// their IDEMCP_* environment variables.
+func NewFlagSet(o *Options) *cli.Set {
+	s := cli.New("idemcp sidecar", sidecarIntro)
+	o.Flags(s.FlagSet)
+	s.BindEnv("IDEMCP_")
+	o.Store.BindEnv(s)
+	return s
 }
 
 // Main runs `idemcp sidecar ARGS` until ctx ends.
 func Main(ctx context.Context, args []string) error {
-	fs := flag.NewFlagSet("idemcp sidecar", flag.ContinueOnError)
 	var o Options
-	o.Flags(fs)
+	fs := NewFlagSet(&o)
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
 	if fs.NArg() > 0 {
-		return fmt.Errorf("unexpected arguments %q", fs.Args())
+		return fmt.Errorf("unexpected argument %q: idemcp sidecar takes only flags; run idemcp sidecar --help for them", fs.Arg(0))
 	}
 	s, err := New(o)
 	if err != nil {
@@ -107,12 +190,15 @@ func Main(ctx context.Context, args []string) error {
 
 // Sidecar is a configured proxy, ready to run.
 type Sidecar struct {
-	opts     Options
-	log      *slog.Logger
-	engine   *engine.Engine
-	store    store.Store
-	proxy    *httpproxy.Proxy
-	registry *prometheus.Registry
+	opts      Options
+	log       *slog.Logger
+	engine    *engine.Engine
+	store     store.Store
+	storeInfo StoreInfo
+	proxy     *httpproxy.Proxy
+	handler   http.Handler
+	lister    *toollist.Lister
+	registry  *prometheus.Registry
 }
 
 // New checks the options, loads the policy and builds the store.
@@ -133,55 +219,107 @@ func New(o Options) (*Sidecar, error) {
 	if err != nil {
 		return nil, err
 	}
-	st, err := OpenStore(o.Store, pol, log)
-	if err != nil {
-		return nil, err
+	if o.Store.Upstream == "" {
+		o.Store.Upstream = up.String()
 	}
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	eng := engine.New(engine.Options{Policy: pol, Store: st, Metrics: engine.NewMetrics(reg), Logger: log})
+	if o.Store.SealOpenFailures == nil {
+		o.Store.SealOpenFailures = NewSealMetrics(reg)
+	}
+	st, info, err := OpenStore(o.Store, pol, log)
+	if err != nil {
+		return nil, err
+	}
+	eng := engine.New(engine.Options{Policy: pol, Store: st, Metrics: engine.NewMetrics(reg), Logger: log,
+		MaxWaitersPerKey: o.Limits.MaxWaitersPerKey, MaxWaitersPerPrincipal: o.Limits.MaxWaitersPerPrincipal})
+	proxy := httpproxy.New(httpproxy.Options{
+		Upstream:         up,
+		Engine:           eng,
+		MaxBodyBytes:     o.MaxBodyBytes,
+		MaxResponseBytes: o.MaxResponseBytes,
+		Logger:           log,
+		Registerer:       reg,
+
+		MaxStreamsPerPrincipal: o.Limits.MaxStreamsPerPrincipal,
+		MaxStreams:             o.Limits.MaxStreams,
+	})
+	// Auto needs each tool's readOnlyHint before its first call: the
+	// sidecar lists the tools itself rather than wait for a client to.
+	lh := toollist.NewHTTP(&http.Client{Timeout: 30 * time.Second}, up)
+	lister := toollist.New(toollist.Options{Hints: eng.Hints(), List: lh.List, Registerer: reg, Logger: log})
+	lh.OnChanged(lister.Changed)
 	return &Sidecar{
-		opts:     o,
-		log:      log,
-		engine:   eng,
-		store:    st,
-		registry: reg,
-		proxy: httpproxy.New(httpproxy.Options{
-			Upstream:         up,
-			Engine:           eng,
-			MaxBodyBytes:     o.MaxBodyBytes,
-			MaxResponseBytes: o.MaxResponseBytes,
-			Logger:           log,
-		}),
+		opts:      o,
+		log:       log,
+		engine:    eng,
+		store:     st,
+		storeInfo: info,
+		registry:  reg,
+		proxy:     proxy,
+		handler:   lh.Watch(proxy),
+		lister:    lister,
 	}, nil
 }
 
-// OpenStore opens the store the options and the policy ask for.
-func OpenStore(o StoreOptions, p *policy.Policy, log *slog.Logger) (store.Store, error) {
+// OpenStore opens the store the options and the policy ask for, sealed
+// when a seal keyring is given (see seal.go), and says which one it is,
+// for the startup log.
+func OpenStore(o StoreOptions, p *policy.Policy, log *slog.Logger) (store.Store, StoreInfo, error) {
+	ring, err := sealKeyring(o)
+	if err != nil {
+		return nil, StoreInfo{}, err
+	}
+	st, info, err := openStore(o, p, log)
+	if err != nil {
+		return nil, StoreInfo{}, err
+	}
+	prefix := info.KeyPrefix
+	if info.Kind == "Memory" {
+		prefix = "memory:"
+	}
+	return sealStore(st, ring, prefix, o, log), info, nil
+}
+
+func openStore(o StoreOptions, p *policy.Policy, log *slog.Logger) (store.Store, StoreInfo, error) {
 	kind := strings.ToLower(o.Kind)
 	if kind == "" {
 		kind = strings.ToLower(string(p.Spec.Store.Type))
 	}
 	switch kind {
 	case "memory":
-		return store.NewMemory(o.MemoryMaxEntries), nil
+		return store.NewMemorySized(o.MemoryMaxEntries, o.MemoryMaxBytes), StoreInfo{Kind: "Memory"}, nil
 	case "redis":
 		ro, err := redisOptions(o, p)
 		if err != nil {
-			return nil, err
+			return nil, StoreInfo{}, err
 		}
 		redis.SetLogger(redisLogger{log})
-		return redisstore.New(ro)
+		info := redisInfo(ro)
+		st, err := redisstore.New(ro)
+		return st, info, err
+	case "postgres":
+		return openPostgres(o, p)
 	default:
-		return nil, fmt.Errorf("--store: %q is not one of memory, redis", o.Kind)
+		return nil, StoreInfo{}, fmt.Errorf("--store: %q is not one of memory, redis, postgres", kind)
 	}
 }
 
 // redisOptions merges the flags over the policy's store.redis.external.
 // Secrets never come from the policy: the password is a file or an env var.
 func redisOptions(o StoreOptions, p *policy.Policy) (redisstore.Options, error) {
-	var ro redisstore.Options
-	if r := p.Spec.Store.Redis; r != nil && r.External != nil {
+	ro, err := redisURLOptions(o.RedisURL)
+	if err != nil {
+		return ro, err
+	}
+	if o.RedisMinReplicas < 0 {
+		return ro, fmt.Errorf("--redis-min-replicas %d: want a whole number of replicas, 0 or more", o.RedisMinReplicas)
+	}
+	if o.RedisReplicaTimeout < 0 {
+		return ro, fmt.Errorf("--redis-min-replicas-timeout %v: want a positive duration such as 500ms or 2s", o.RedisReplicaTimeout)
+	}
+	ro.MinReplicas, ro.ReplicaTimeout = o.RedisMinReplicas, o.RedisReplicaTimeout
+	if r := p.Spec.Store.Redis; r != nil && r.External != nil && len(ro.Addrs) == 0 {
 		ro.Addrs = r.External.Addresses
 		ro.SentinelMaster = r.External.SentinelMaster
 		ro.TLS = r.External.TLS
@@ -195,13 +333,15 @@ func redisOptions(o StoreOptions, p *policy.Policy) (redisstore.Options, error) 
 		}
 	}
 	if len(ro.Addrs) == 0 {
-		return ro, errors.New("--redis-addr: the Redis store needs an address (host:port); set --redis-addr or the policy's store.redis.external.addresses")
+		return ro, errors.New("--redis-addr: the Redis store needs an address (host:port); set --redis-addr, --redis-url (REDIS_URL) or the policy's store.redis.external.addresses")
 	}
 	if o.RedisSentinelMaster != "" {
 		ro.SentinelMaster = o.RedisSentinelMaster
 	}
 	ro.TLS = ro.TLS || o.RedisTLS
-	ro.Password = os.Getenv("IDEMCP_REDIS_PASSWORD")
+	if pw := os.Getenv("IDEMCP_REDIS_PASSWORD"); pw != "" {
+		ro.Password = pw
+	}
 	if o.RedisPasswordFile != "" {
 		b, err := os.ReadFile(o.RedisPasswordFile)
 		if err != nil {
@@ -211,16 +351,24 @@ func redisOptions(o StoreOptions, p *policy.Policy) (redisstore.Options, error) 
 	}
 	ro.Prefix = o.RedisKeyPrefix
 	if ro.Prefix == "" {
-		ns, name := p.Namespace, p.Name
-		if ns == "" {
-			ns = "default"
-		}
-		if name == "" {
-			name = "default"
-		}
-		ro.Prefix = "idemcp:" + ns + "/" + name + ":"
+		ro.Prefix = defaultPrefix(o, p)
 	}
 	return ro, nil
+}
+
+// defaultPrefix keeps apart, in a shared store, the records of different
+// policies and, when run by hand, of different MCP servers: a policy's key
+// space belongs to one MCP server, and two servers must never replay each
+// other's results.
+func defaultPrefix(o StoreOptions, p *policy.Policy) string {
+	prefix := policy.RedisKeyPrefix(p.Namespace, p.Name)
+	if o.Upstream != "" {
+		// A hash, not the URL or command itself: those may hold
+		// credentials, and the store's operator reads key names.
+		h := sha256.Sum256([]byte(o.Upstream))
+		prefix += "up-" + hex.EncodeToString(h[:8]) + ":"
+	}
+	return prefix
 }
 
 // redisLogger sends go-redis's own messages (reconnects, Sentinel
@@ -235,7 +383,11 @@ func (l redisLogger) Printf(ctx context.Context, format string, v ...any) {
 func (s *Sidecar) Engine() *engine.Engine { return s.engine }
 
 // Handler returns the proxy handler.
-func (s *Sidecar) Handler() http.Handler { return s.proxy }
+func (s *Sidecar) Handler() http.Handler { return s.handler }
+
+// StartToolListing lists the upstream's tools now and whenever a call or
+// the server asks for it, until ctx ends; Run does it itself.
+func (s *Sidecar) StartToolListing(ctx context.Context) { s.lister.Start(ctx) }
 
 // AdminHandler serves /healthz, /readyz and /metrics.
 func (s *Sidecar) AdminHandler() http.Handler {
@@ -264,7 +416,10 @@ func (s *Sidecar) Run(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("--listen: %w", err)
 	}
-	servers := []*http.Server{{Handler: s.proxy, ReadHeaderTimeout: 10 * time.Second}}
+	listCtx, stopListing := context.WithCancel(ctx)
+	defer stopListing()
+	s.lister.Start(listCtx)
+	servers := []*http.Server{{Handler: withBodyDeadline(bodyReadTimeout, s.handler), ReadHeaderTimeout: 10 * time.Second, IdleTimeout: idleTimeout}}
 	listeners := []net.Listener{ln}
 	if s.opts.AdminListen != "" {
 		aln, err := net.Listen("tcp", s.opts.AdminListen)
@@ -275,8 +430,22 @@ func (s *Sidecar) Run(ctx context.Context) error {
 		servers = append(servers, &http.Server{Handler: s.AdminHandler(), ReadHeaderTimeout: 10 * time.Second})
 		listeners = append(listeners, aln)
 	}
-	s.log.Info("Sidecar listening", "listen", ln.Addr().String(), "upstream", s.opts.Upstream,
-		"policy", s.engine.Policy().Hash, "store", s.engine.Policy().Spec.Store.Type)
+	admin := "off"
+	if len(listeners) > 1 {
+		admin = listeners[1].Addr().String()
+	}
+	pol := s.engine.Policy()
+	s.log.Info("Sidecar listening", append([]any{"listen", ln.Addr().String(), "admin", admin, "upstream", s.opts.Upstream,
+		"policy", pol.Hash}, s.storeInfo.LogAttrs()...)...)
+	go CheckStore(ctx, s.store, s.storeInfo, pol, s.log)
+	pushCtx, stopPush := context.WithCancel(ctx)
+	defer stopPush()
+	if err := s.startPush(pushCtx); err != nil {
+		for _, l := range listeners {
+			_ = l.Close()
+		}
+		return err
+	}
 	errc := make(chan error, len(servers))
 	for i, srv := range servers {
 		go func() { errc <- srv.Serve(listeners[i]) }()

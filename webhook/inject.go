@@ -4,7 +4,6 @@ package webhook
 
 import (
 	"encoding/json"
-	"errors"
 	"fmt"
 	"strconv"
 	"strings"
@@ -16,19 +15,22 @@ import (
 	"k8s.io/utils/ptr"
 
 	"github.com/idemcp/idemcp/api/v1alpha1"
+	"github.com/idemcp/idemcp/internal/policy"
 )
 
 // Annotations and labels users and the webhook write on pods.
 const (
-	// AnnotationInject opts a pod in: "true".
-	AnnotationInject = "idemcp.io/inject"
+	// LabelInject opts a pod in: "true". It is a label so that the webhook's
+	// objectSelector keeps the API server from calling the webhook for any
+	// other pod.
+	LabelInject = "idemcp.io/inject"
 	// AnnotationPolicy names the IdempotencyPolicy in the pod's namespace.
 	AnnotationPolicy = "idemcp.io/policy"
 	// AnnotationUpstreamPort is the MCP server's port, when no container
 	// port is named "mcp".
 	AnnotationUpstreamPort = "idemcp.io/upstream-port"
-	// AnnotationStatus is written by the webhook; its presence makes
-	// injection idempotent.
+	// AnnotationStatus is written by the webhook; together with the
+	// container it describes it makes injection idempotent.
 	AnnotationStatus = "idemcp.io/status"
 	// AnnotationNativeSidecar: "false" injects a plain container instead of
 	// a native sidecar, for clusters before Kubernetes 1.29.
@@ -39,27 +41,44 @@ const (
 
 // Names of what the webhook adds.
 const (
-	ContainerName   = "idemcp-proxy"
+	ContainerName = "idemcp-proxy"
+	// ProxyCommand is the data-plane binary of the image, which the sidecar
+	// runs: idemcp's sidecar without the manager's Kubernetes libraries,
+	// for a smaller and faster-starting sidecar (cmd/idemcp-proxy).
+	ProxyCommand    = "/idemcp-proxy"
 	TokenVolume     = "idemcp-token"
 	TokenMountPath  = "/var/run/secrets/idemcp"
 	TokenAudience   = "idemcp"
 	PortNameMCP     = "mcp"
 	PortNameRenamed = "mcp-upstream"
 	PortNameAdmin   = "idemcp-admin"
+	// PortNameShadowed prefixes the new names of the other ports that
+	// shared the server port's name, so that the name resolves to the
+	// sidecar alone: idemcp-dup-1, idemcp-dup-2, ...
+	PortNameShadowed = "idemcp-dup-"
 )
+
+// MaxPolicySnapshotBytes is the largest IDEMCP_POLICY value: Linux caps one
+// environment string ("NAME=value" and its NUL) at 128 KiB, and a container
+// past it fails to start with E2BIG.
+const MaxPolicySnapshotBytes = 128<<10 - len("IDEMCP_POLICY=") - 1
 
 // Config is what the injector puts into every sidecar.
 type Config struct {
 	// Image is the manager's own image: one image, version-locked.
 	Image string
-	// ProxyPort and AdminPort are the sidecar's ports in the pod.
+	// ProxyPort and AdminPort are the sidecar's preferred ports in the pod;
+	// the next free ones are taken when the pod already uses them.
 	ProxyPort int32
 	AdminPort int32
-	// Resources of the sidecar container.
+	// Resources of the sidecar container, unless the pod's annotations say
+	// otherwise.
 	Resources corev1.ResourceRequirements
 	// PolicyEndpoint is where sidecars fetch policy updates (the manager's
-	// policy stream); empty until that exists.
+	// policy stream); empty: sidecars keep their starting snapshot.
 	PolicyEndpoint string
+	// PolicyCABundle is the PEM the stream's certificate verifies against.
+	PolicyCABundle string
 }
 
 // DefaultConfig returns the defaults the manager's flags start from.
@@ -69,8 +88,8 @@ func DefaultConfig(image string) Config {
 		ProxyPort: 15480,
 		AdminPort: 15481,
 		Resources: corev1.ResourceRequirements{
-			Requests: corev1.ResourceList{corev1.ResourceCPU: resource.MustParse("10m"), corev1.ResourceMemory: resource.MustParse("32Mi")},
-			Limits:   corev1.ResourceList{corev1.ResourceMemory: resource.MustParse("128Mi")},
+			Requests: corev1.ResourceList{corev1.ResourceCPU: resource.MustParse("50m"), corev1.ResourceMemory: resource.MustParse("64Mi")},
+			Limits:   corev1.ResourceList{corev1.ResourceCPU: resource.MustParse("500m"), corev1.ResourceMemory: resource.MustParse("128Mi")},
 		},
 	}
 }
@@ -81,117 +100,202 @@ type Status struct {
 	Policy     string `json:"policy"`
 	PolicyHash string `json:"policyHash"`
 	Upstream   int32  `json:"upstreamPort"`
+	ProxyPort  int32  `json:"proxyPort,omitempty"`
+	AdminPort  int32  `json:"adminPort,omitempty"`
 	Image      string `json:"image"`
 }
 
-// ErrNoUpstreamPort is returned when the injector cannot tell which port
-// the MCP server listens on.
-var ErrNoUpstreamPort = errors.New("no upstream port")
-
-// Injected reports whether the pod already carries the sidecar.
-func Injected(pod *corev1.Pod) bool {
-	if _, ok := pod.Annotations[AnnotationStatus]; ok {
-		return true
-	}
-	for _, c := range append(append([]corev1.Container{}, pod.Spec.InitContainers...), pod.Spec.Containers...) {
-		if c.Name == ContainerName {
-			return true
-		}
-	}
-	return false
+// Refusal is why the webhook refuses a pod, with a message that says how to
+// fix it. Reason is its metric label.
+type Refusal struct {
+	Reason  string
+	Message string
 }
 
-// upstreamPort finds the MCP server's port: the annotation, else a
-// container port named "mcp", else the only container port of the pod.
-func upstreamPort(pod *corev1.Pod) (int32, error) {
-	if v, ok := pod.Annotations[AnnotationUpstreamPort]; ok {
-		n, err := strconv.ParseInt(v, 10, 32)
-		if err != nil || n < 1 || n > 65535 {
-			return 0, fmt.Errorf("%w: annotation %s is %q; give the MCP server's port as a number from 1 to 65535", ErrNoUpstreamPort, AnnotationUpstreamPort, v)
+func (r *Refusal) Error() string { return r.Message }
+
+func refuse(reason, format string, args ...any) error {
+	return &Refusal{Reason: reason, Message: fmt.Sprintf(format, args...)}
+}
+
+// Reasons for refusing a pod, as metric labels.
+const (
+	DenyNoUpstreamPort   = "no_upstream_port"
+	DenyInvalidPolicy    = "invalid_policy"
+	DenyPolicyMissing    = "policy_missing"
+	DenyPolicyDeleting   = "policy_deleting"
+	DenyPolicyTooLarge   = "policy_too_large"
+	DenyBadAnnotation    = "bad_annotation"
+	DenyNotTCP           = "not_tcp"
+	DenyWindows          = "windows"
+	DenyForeignContainer = "foreign_container"
+	DenyLabelConflict    = "label_conflict"
+	DenyNameCollision    = "name_collision"
+	DenyPortCollision    = "port_collision"
+	DenyResources        = "resources"
+)
+
+// parseBool reads a boolean label or annotation the one way idemcp reads
+// them all: strconv.ParseBool, so "true", "True", "TRUE", "1", "t" and their
+// false counterparts; anything else is refused.
+func parseBool(what, key, value string) (bool, error) {
+	b, err := strconv.ParseBool(value)
+	if err != nil {
+		return false, refuse(DenyBadAnnotation, "the pod's %s %s is %q, which is not a boolean: use \"true\" or \"false\"", what, key, value)
+	}
+	return b, nil
+}
+
+// OptedIn reports whether the pod asks for the sidecar with the label
+// idemcp.io/inject. A value that is not a boolean is an error.
+func OptedIn(pod *corev1.Pod) (bool, error) {
+	v, ok := pod.Labels[LabelInject]
+	if !ok {
+		return false, nil
+	}
+	return parseBool("label", LabelInject, v)
+}
+
+// statusOf reads the idemcp.io/status annotation.
+func statusOf(pod *corev1.Pod) (Status, bool) {
+	var s Status
+	v, ok := pod.Annotations[AnnotationStatus]
+	if !ok || json.Unmarshal([]byte(v), &s) != nil {
+		return Status{}, false
+	}
+	return s, true
+}
+
+// injectedContainer returns the init or regular container called
+// ContainerName.
+func injectedContainer(pod *corev1.Pod) *corev1.Container {
+	for i := range pod.Spec.InitContainers {
+		if pod.Spec.InitContainers[i].Name == ContainerName {
+			return &pod.Spec.InitContainers[i]
 		}
-		return int32(n), nil
 	}
-	var all []corev1.ContainerPort
-	for _, c := range pod.Spec.Containers {
-		for _, p := range c.Ports {
-			if p.Name == PortNameMCP {
-				return p.ContainerPort, nil
-			}
-			if p.Protocol == "" || p.Protocol == corev1.ProtocolTCP {
-				all = append(all, p)
-			}
+	for i := range pod.Spec.Containers {
+		if pod.Spec.Containers[i].Name == ContainerName {
+			return &pod.Spec.Containers[i]
 		}
 	}
-	if len(all) == 1 {
-		return all[0].ContainerPort, nil
+	return nil
+}
+
+// Injected reports whether the pod carries the webhook's own injection: the
+// status annotation together with the sidecar container it describes. A
+// container that only has the sidecar's name is not one.
+func Injected(pod *corev1.Pod) bool {
+	s, ok := statusOf(pod)
+	if !ok || s.Container != ContainerName {
+		return false
 	}
-	return 0, fmt.Errorf("%w: name the MCP server's container port %q or annotate the pod %s: \"<port>\" (the pod has %d TCP ports)",
-		ErrNoUpstreamPort, PortNameMCP, AnnotationUpstreamPort, len(all))
+	c := injectedContainer(pod)
+	return c != nil && c.Image == s.Image && len(c.Args) > 0 && c.Args[0] == "sidecar"
 }
 
 // Inject adds the sidecar to pod for policy p. It changes nothing and
-// returns an error if no upstream port can be found.
+// returns a *Refusal when the pod cannot be injected so that its traffic
+// goes through the sidecar and it can start.
 func Inject(pod *corev1.Pod, p *v1alpha1.IdempotencyPolicy, policyHash string, cfg Config) error {
-	port, err := upstreamPort(pod)
-	if err != nil {
+	if err := checkPod(pod, p.Name); err != nil {
 		return err
 	}
-	if port == cfg.ProxyPort || port == cfg.AdminPort {
-		return fmt.Errorf("%w: the MCP server's port %d is one the sidecar uses; move it or change the manager's --sidecar-port/--sidecar-admin-port", ErrNoUpstreamPort, port)
+	native := true
+	if v, ok := pod.Annotations[AnnotationNativeSidecar]; ok {
+		b, err := parseBool("annotation", AnnotationNativeSidecar, v)
+		if err != nil {
+			return err
+		}
+		native = b
 	}
 	snapshot, err := policySnapshot(p)
 	if err != nil {
 		return err
 	}
+	out := pod.DeepCopy()
+	plan, err := planPorts(out, cfg)
+	if err != nil {
+		return err
+	}
+	res, err := sidecarResources(out, cfg)
+	if err != nil {
+		return err
+	}
 
-	// Port swap: a Service with targetPort: mcp now reaches the sidecar.
-	proxyPortName := ""
-	for i := range pod.Spec.Containers {
-		c := &pod.Spec.Containers[i]
-		for j := range c.Ports {
-			cp := &c.Ports[j]
-			if cp.Name == PortNameMCP && cp.ContainerPort == port {
-				cp.Name = PortNameRenamed
-				proxyPortName = PortNameMCP
-				// The kubelet resolves a probe's named port in its own
-				// container: the server's probes keep their port by number.
-				renamePortRefs(c, PortNameMCP, port)
+	plan.apply()
+	c := sidecarContainer(p, cfg, plan, snapshot)
+	c.Resources = res
+	c.Env = append(c.Env, memoryEnv(out, res, cfg)...)
+	if native {
+		// A native sidecar starts before the MCP server and outlives it.
+		c.RestartPolicy = ptr.To(corev1.ContainerRestartPolicyAlways)
+		out.Spec.InitContainers = append([]corev1.Container{c}, out.Spec.InitContainers...)
+	} else {
+		out.Spec.Containers = append(out.Spec.Containers, c)
+	}
+	if err := checkPodLevelResources(out); err != nil {
+		return err
+	}
+	if out.Spec.ServiceAccountName == "" {
+		// The projected token needs one; the API server's ServiceAccount
+		// admission sets the same default where it runs.
+		out.Spec.ServiceAccountName = "default"
+	}
+	out.Spec.Volumes = append(out.Spec.Volumes, tokenVolume())
+
+	if out.Labels == nil {
+		out.Labels = map[string]string{}
+	}
+	out.Labels[v1alpha1.LabelPolicy] = p.Name
+	status, _ := json.Marshal(Status{
+		Container: ContainerName, Policy: p.Name, PolicyHash: policyHash, Upstream: plan.upstream,
+		ProxyPort: plan.proxyPort, AdminPort: plan.adminPort, Image: cfg.Image,
+	})
+	if out.Annotations == nil {
+		out.Annotations = map[string]string{}
+	}
+	out.Annotations[AnnotationStatus] = string(status)
+	*pod = *out
+	return nil
+}
+
+// checkPod refuses the pods no injection can serve, before anything is
+// changed.
+func checkPod(pod *corev1.Pod, policy string) error {
+	if (pod.Spec.OS != nil && pod.Spec.OS.Name == corev1.Windows) || pod.Spec.NodeSelector[corev1.LabelOSStable] == string(corev1.Windows) {
+		return refuse(DenyWindows, "idemcp's sidecar runs only on Linux and this pod is for Windows: run the MCP server on Linux, or remove the label %s", LabelInject)
+	}
+	if injectedContainer(pod) != nil {
+		return refuse(DenyForeignContainer, "the pod has a container named %s that idemcp did not inject (no matching %s annotation): that name is the idemcp sidecar's; rename the container", ContainerName, AnnotationStatus)
+	}
+	if v, ok := pod.Labels[v1alpha1.LabelPolicy]; ok && v != policy {
+		return refuse(DenyLabelConflict, "the pod's label %s is %q but its annotation %s names %q: idemcp never changes a label you set; make them equal or remove the label (and keep it out of workload selectors)", v1alpha1.LabelPolicy, v, AnnotationPolicy, policy)
+	}
+	for _, v := range pod.Spec.Volumes {
+		if v.Name == TokenVolume {
+			return refuse(DenyNameCollision, "the pod has a volume named %s, which idemcp adds for its sidecar's token: rename the volume", TokenVolume)
+		}
+	}
+	for _, c := range allContainers(pod) {
+		for _, p := range c.Ports {
+			if p.Name == PortNameRenamed || p.Name == PortNameAdmin || strings.HasPrefix(p.Name, PortNameShadowed) {
+				return refuse(DenyNameCollision, "container %s has a port named %s, a name idemcp gives to ports it adds or renames: rename the port", c.Name, p.Name)
 			}
 		}
 	}
+	return nil
+}
 
-	c := sidecarContainer(p, cfg, port, snapshot, proxyPortName)
-	if pod.Annotations[AnnotationNativeSidecar] == "false" {
-		pod.Spec.Containers = append(pod.Spec.Containers, c)
-	} else {
-		// A native sidecar starts before the MCP server and outlives it.
-		c.RestartPolicy = ptr.To(corev1.ContainerRestartPolicyAlways)
-		pod.Spec.InitContainers = append([]corev1.Container{c}, pod.Spec.InitContainers...)
-	}
-	if pod.Spec.ServiceAccountName == "" {
-		// The projected token needs one; the API server's ServiceAccount
-		// admission sets the same default where it runs.
-		pod.Spec.ServiceAccountName = "default"
-	}
-	pod.Spec.Volumes = append(pod.Spec.Volumes, corev1.Volume{
+func tokenVolume() corev1.Volume {
+	return corev1.Volume{
 		Name: TokenVolume,
 		VolumeSource: corev1.VolumeSource{Projected: &corev1.ProjectedVolumeSource{
 			Sources: []corev1.VolumeProjection{{ServiceAccountToken: &corev1.ServiceAccountTokenProjection{
 				Audience: TokenAudience, ExpirationSeconds: ptr.To[int64](3600), Path: "token",
 			}}},
 		}},
-	})
-
-	if pod.Labels == nil {
-		pod.Labels = map[string]string{}
 	}
-	pod.Labels[v1alpha1.LabelPolicy] = p.Name
-	status, _ := json.Marshal(Status{Container: ContainerName, Policy: p.Name, PolicyHash: policyHash, Upstream: port, Image: cfg.Image})
-	if pod.Annotations == nil {
-		pod.Annotations = map[string]string{}
-	}
-	pod.Annotations[AnnotationStatus] = string(status)
-	return nil
 }
 
 // renamePortRefs points the container's probes and lifecycle hooks that
@@ -229,7 +333,10 @@ func renamePortRefs(c *corev1.Container, name string, number int32) {
 }
 
 // policySnapshot is the policy the sidecar enforces from its first request,
-// even with no manager to ask.
+// even with no manager to ask. The CRD bounds the tool rules so that any
+// valid policy fits; what still does not (a policy from before those
+// bounds, very long Secret or address fields) is refused here, because a
+// container whose environment is too large never starts.
 func policySnapshot(p *v1alpha1.IdempotencyPolicy) (string, error) {
 	snap := v1alpha1.IdempotencyPolicy{
 		TypeMeta:   metav1.TypeMeta{APIVersion: v1alpha1.GroupVersion.String(), Kind: "IdempotencyPolicy"},
@@ -240,15 +347,21 @@ func policySnapshot(p *v1alpha1.IdempotencyPolicy) (string, error) {
 	if err != nil {
 		return "", fmt.Errorf("writing the policy snapshot: %w", err)
 	}
+	if len(b) > MaxPolicySnapshotBytes {
+		return "", refuse(DenyPolicyTooLarge, "IdempotencyPolicy %s/%s is %d bytes as JSON, more than the %d that fit in the sidecar's IDEMCP_POLICY environment variable (Linux caps one at 128 KiB): shorten or merge its tool rules and ignoreArguments",
+			p.Namespace, p.Name, len(b), MaxPolicySnapshotBytes)
+	}
 	return string(b), nil
 }
 
-func sidecarContainer(p *v1alpha1.IdempotencyPolicy, cfg Config, upstream int32, snapshot, proxyPortName string) corev1.Container {
+func sidecarContainer(p *v1alpha1.IdempotencyPolicy, cfg Config, plan *portPlan, snapshot string) corev1.Container {
 	args := []string{
 		"sidecar",
-		"--listen=:" + strconv.Itoa(int(cfg.ProxyPort)),
-		"--admin-listen=:" + strconv.Itoa(int(cfg.AdminPort)),
-		"--upstream=http://127.0.0.1:" + strconv.Itoa(int(upstream)),
+		"--listen=:" + strconv.Itoa(int(plan.proxyPort)),
+		// Always explicit: the sidecar's own default is loopback, which
+		// the kubelet's probes and scrapers cannot reach.
+		"--admin-listen=:" + strconv.Itoa(int(plan.adminPort)),
+		"--upstream=http://127.0.0.1:" + strconv.Itoa(int(plan.upstream)),
 	}
 	env := []corev1.EnvVar{
 		{Name: "IDEMCP_POLICY", Value: snapshot},
@@ -264,17 +377,33 @@ func sidecarContainer(p *v1alpha1.IdempotencyPolicy, cfg Config, upstream int32,
 		case r.External != nil && r.External.PasswordSecretRef != nil:
 			ref = &corev1.SecretKeySelector{LocalObjectReference: corev1.LocalObjectReference{Name: r.External.PasswordSecretRef.Name}, Key: r.External.PasswordSecretRef.Key}
 		}
+		// The policy's own key space: every workload of the policy shares
+		// it (a sidecar run by hand would add its upstream to it).
+		env = append(env, corev1.EnvVar{Name: "IDEMCP_REDIS_KEY_PREFIX", Value: policy.RedisKeyPrefix(p.Namespace, p.Name)})
 		if ref != nil {
 			// Secrets never travel in the policy: the kubelet resolves this.
 			env = append(env, corev1.EnvVar{Name: "IDEMCP_REDIS_PASSWORD", ValueFrom: &corev1.EnvVarSource{SecretKeyRef: ref}})
 		}
 	}
-	if limit := cfg.Resources.Limits.Memory(); limit != nil && !limit.IsZero() {
-		// Let the Go runtime collect before the kernel kills: 80% of the limit.
-		env = append(env, corev1.EnvVar{Name: "GOMEMLIMIT", Value: strconv.FormatInt(limit.Value()*8/10, 10)})
+	if pg := p.Spec.Store.Postgres; p.Spec.Store.Type == v1alpha1.StorePostgres && pg != nil {
+		ref := &corev1.SecretKeySelector{LocalObjectReference: corev1.LocalObjectReference{Name: pg.URLSecretRef.Name}, Key: pg.URLSecretRef.Key}
+		env = append(env,
+			corev1.EnvVar{Name: "IDEMCP_POSTGRES_KEY_PREFIX", Value: policy.RedisKeyPrefix(p.Namespace, p.Name)},
+			corev1.EnvVar{Name: "IDEMCP_POSTGRES_URL", ValueFrom: &corev1.EnvVarSource{SecretKeyRef: ref}})
+	}
+	if shared := (p.Spec.Store.Type == v1alpha1.StoreRedis && p.Spec.Store.Redis != nil) ||
+		(p.Spec.Store.Type == v1alpha1.StorePostgres && p.Spec.Store.Postgres != nil); shared {
+		// The keys that seal stored results, from the Secret the controller
+		// keeps (controllers.SealName, key controllers.SealKeysKey). Read at
+		// start: a rotation reaches the sidecar when its pod restarts.
+		ref := &corev1.SecretKeySelector{LocalObjectReference: corev1.LocalObjectReference{Name: p.Name + "-seal"}, Key: "keys"}
+		env = append(env, corev1.EnvVar{Name: "IDEMCP_SEAL_KEYS", ValueFrom: &corev1.EnvVarSource{SecretKeyRef: ref}})
 	}
 	if cfg.PolicyEndpoint != "" {
 		env = append(env, corev1.EnvVar{Name: "IDEMCP_POLICY_ENDPOINT", Value: cfg.PolicyEndpoint})
+		if cfg.PolicyCABundle != "" {
+			env = append(env, corev1.EnvVar{Name: "IDEMCP_POLICY_CA", Value: cfg.PolicyCABundle})
+		}
 	}
 	probe := func(path string) *corev1.Probe {
 		return &corev1.Probe{
@@ -283,13 +412,14 @@ func sidecarContainer(p *v1alpha1.IdempotencyPolicy, cfg Config, upstream int32,
 		}
 	}
 	return corev1.Container{
-		Name:  ContainerName,
-		Image: cfg.Image,
-		Args:  args,
-		Env:   env,
+		Name:    ContainerName,
+		Image:   cfg.Image,
+		Command: []string{ProxyCommand},
+		Args:    args,
+		Env:     env,
 		Ports: []corev1.ContainerPort{
-			{Name: proxyPortName, ContainerPort: cfg.ProxyPort, Protocol: corev1.ProtocolTCP},
-			{Name: PortNameAdmin, ContainerPort: cfg.AdminPort, Protocol: corev1.ProtocolTCP},
+			{Name: plan.name, ContainerPort: plan.proxyPort, HostPort: plan.hostPort, HostIP: plan.hostIP, Protocol: corev1.ProtocolTCP},
+			{Name: PortNameAdmin, ContainerPort: plan.adminPort, Protocol: corev1.ProtocolTCP},
 		},
 		ReadinessProbe: probe("/readyz"),
 		LivenessProbe:  probe("/healthz"),
@@ -297,7 +427,6 @@ func sidecarContainer(p *v1alpha1.IdempotencyPolicy, cfg Config, upstream int32,
 			ProbeHandler:  corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/healthz", Port: intstr.FromString(PortNameAdmin)}},
 			PeriodSeconds: 1, FailureThreshold: 30,
 		},
-		Resources:    cfg.Resources,
 		VolumeMounts: []corev1.VolumeMount{{Name: TokenVolume, MountPath: TokenMountPath, ReadOnly: true}},
 		SecurityContext: &corev1.SecurityContext{
 			RunAsNonRoot:             ptr.To(true),
@@ -311,9 +440,4 @@ func sidecarContainer(p *v1alpha1.IdempotencyPolicy, cfg Config, upstream int32,
 		},
 		TerminationMessagePolicy: corev1.TerminationMessageFallbackToLogsOnError,
 	}
-}
-
-// optedIn reports whether the pod asks for the sidecar.
-func optedIn(pod *corev1.Pod) bool {
-	return strings.EqualFold(pod.Annotations[AnnotationInject], "true")
 }

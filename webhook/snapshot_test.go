@@ -3,6 +3,9 @@ package webhook_test
 import (
 	"context"
 	"encoding/json"
+	"errors"
+	"fmt"
+	"github.com/idemcp/idemcp/internal/freeport"
 	"io"
 	"net"
 	"net/http"
@@ -16,6 +19,8 @@ import (
 
 	"github.com/modelcontextprotocol/go-sdk/mcp"
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/equality"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/idemcp/idemcp/api/v1alpha1"
 	"github.com/idemcp/idemcp/test/mcpserver"
@@ -24,12 +29,7 @@ import (
 
 func freePort(t *testing.T) int32 {
 	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = l.Close() }()
-	return int32(l.Addr().(*net.TCPAddr).Port)
+	return int32(freeport.LoopbackPort(t)) //nolint:gosec // a port fits
 }
 
 // TestInjectedSidecarEnforcesItsSnapshot runs `idemcp sidecar` with exactly
@@ -55,7 +55,7 @@ func TestInjectedSidecarEnforcesItsSnapshot(t *testing.T) {
 
 	cfg := webhook.DefaultConfig(testImage)
 	cfg.ProxyPort, cfg.AdminPort = freePort(t), freePort(t)
-	pod := mcpPod(ns, "mcp-0", map[string]string{webhook.AnnotationInject: "true", webhook.AnnotationPolicy: "tickets"})
+	pod := mcpPod(ns, "mcp-0", map[string]string{webhook.AnnotationPolicy: "tickets"})
 	pod.Spec.Containers[0].Ports[0].ContainerPort = int32(l.Addr().(*net.TCPAddr).Port)
 	inj := &webhook.Injector{Client: k8s, Config: cfg, MissingPolicy: webhook.MissingPolicyDeny, Recorder: recorder()}
 	if err := inj.Default(ctx, pod); err != nil {
@@ -105,7 +105,12 @@ func TestInjectedSidecarEnforcesItsSnapshot(t *testing.T) {
 	}
 
 	client := mcp.NewClient(&mcp.Implementation{Name: "t", Version: "1"}, nil)
-	cs, err := client.Connect(ctx, &mcp.StreamableClientTransport{Endpoint: "http://127.0.0.1:" + portOf(t, c, "mcp")}, nil)
+	// A stateless server has no sessions: the caller's Authorization scopes
+	// its keys (an anonymous caller is not deduplicated).
+	cs, err := client.Connect(ctx, &mcp.StreamableClientTransport{
+		Endpoint:   "http://127.0.0.1:" + portOf(t, c, "mcp"),
+		HTTPClient: &http.Client{Transport: bearer("agent-1")},
+	}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -135,4 +140,85 @@ func portOf(t *testing.T, c corev1.Container, name string) string {
 	}
 	t.Fatalf("sidecar has no port %q: %+v", name, c.Ports)
 	return ""
+}
+
+// maxPolicy is as large as the CRD lets a policy's tool rules and Redis
+// addresses be, written with the characters JSON escapes longest (U+2028
+// and '<' become six bytes each).
+func maxPolicy(pointerChars int) v1alpha1.IdempotencyPolicySpec {
+	spec := v1alpha1.IdempotencyPolicySpec{
+		Store: v1alpha1.StoreSpec{Type: v1alpha1.StoreRedis, Redis: &v1alpha1.RedisStoreSpec{External: &v1alpha1.ExternalRedis{
+			SentinelMaster:    "mymaster",
+			PasswordSecretRef: &v1alpha1.SecretKeyRef{Name: "redis", Key: "password"},
+		}}},
+	}
+	for i := range 32 {
+		spec.Store.Redis.External.Addresses = append(spec.Store.Redis.External.Addresses, strings.Repeat("<", 251)+fmt.Sprintf("%03d:6379", i))
+	}
+	ttl := metav1.Duration{Duration: 719*time.Hour + 59*time.Minute + 59*time.Second}
+	for i := range 64 {
+		spec.Tools = append(spec.Tools, v1alpha1.ToolRule{
+			Name: fmt.Sprintf("%03d", i) + strings.Repeat("x", 125), Mode: v1alpha1.ModePassthrough, TTL: &ttl,
+			KeyScope: v1alpha1.ScopePrincipal, OnAbandoned: v1alpha1.AbandonedError, CacheToolErrors: true,
+		})
+	}
+	for i := 0; pointerChars > 0; i++ {
+		n := min(pointerChars, 256)
+		pointerChars -= n
+		rule := &spec.Tools[i/32]
+		rule.IgnoreArguments = append(rule.IgnoreArguments, "/"+strings.Repeat("\u2028", n-1))
+	}
+	return spec
+}
+
+// TestLargestPolicyFitsItsEnvironmentVariable: the CRD's bounds keep every
+// policy's snapshot under Linux's 128 KiB for one environment string, and
+// the API server refuses a policy past them with a message that says why.
+func TestLargestPolicyFitsItsEnvironmentVariable(t *testing.T) {
+	ctx := context.Background()
+	ns := namespace(t, true)
+	createPolicy(t, ns, "payments", maxPolicy(8192))
+	pod := mcpPod(ns, "largest", optIn)
+	if err := k8s.Create(ctx, pod); err != nil {
+		t.Fatalf("a pod using the largest valid policy: %v", err)
+	}
+	c, _ := sidecarOf(t, pod)
+	snap := envValue(c, "IDEMCP_POLICY").Value
+	t.Logf("the largest valid policy's snapshot is %d bytes of %d", len(snap), webhook.MaxPolicySnapshotBytes)
+	if len(snap) > webhook.MaxPolicySnapshotBytes || len(snap) < 100<<10 {
+		t.Errorf("snapshot of %d bytes: want at most %d, and the test policy at least 100 KiB to mean something", len(snap), webhook.MaxPolicySnapshotBytes)
+	}
+
+	over := &v1alpha1.IdempotencyPolicy{ObjectMeta: metav1.ObjectMeta{Name: "over", Namespace: ns}, Spec: maxPolicy(8193)}
+	err := k8s.Create(ctx, over)
+	if err == nil || !strings.Contains(err.Error(), "the ignoreArguments pointers of all tools may have at most 8192 characters together") {
+		t.Errorf("a policy past the bound: %v", err)
+	}
+}
+
+// TestOversizedSnapshotIsRefused: a policy the CRD did not bound (written
+// before the bounds, or through fields they leave open) is refused with
+// the reason, instead of a sidecar that fails with E2BIG.
+func TestOversizedSnapshotIsRefused(t *testing.T) {
+	p := &v1alpha1.IdempotencyPolicy{ObjectMeta: metav1.ObjectMeta{Name: "huge", Namespace: "shop"}, Spec: maxPolicy(8192)}
+	p.Spec.Store.Redis.External.SentinelMaster = strings.Repeat("m", 64<<10)
+	pod := mcpPod("shop", "mcp-0", map[string]string{webhook.AnnotationPolicy: "huge"})
+	before := pod.DeepCopy()
+	err := webhook.Inject(pod, p, "hash", sidecar)
+	var r *webhook.Refusal
+	if !errors.As(err, &r) || r.Reason != webhook.DenyPolicyTooLarge || !strings.Contains(err.Error(), "more than the 131057 that fit in the sidecar's IDEMCP_POLICY environment variable") {
+		t.Fatalf("Inject: %v, want a policy_too_large refusal", err)
+	}
+	if !equality.Semantic.DeepEqual(before, pod) {
+		t.Error("a refused Inject changed the pod")
+	}
+}
+
+// bearer sends Authorization: Bearer token with every request.
+type bearer string
+
+func (b bearer) RoundTrip(r *http.Request) (*http.Response, error) {
+	r = r.Clone(r.Context())
+	r.Header.Set("Authorization", "Bearer "+string(b))
+	return http.DefaultTransport.RoundTrip(r)
 }

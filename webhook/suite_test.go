@@ -11,7 +11,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/envtest"
 
-	"github.com/idemcp/idemcp/controllers"
+	"github.com/idemcp/idemcp/cmd/manager"
 	"github.com/idemcp/idemcp/test/envtestutil"
 	"github.com/idemcp/idemcp/webhook"
 )
@@ -28,7 +28,7 @@ var (
 // TestMain runs a real kube-apiserver with the webhook configuration from
 // config/webhook installed, and the manager serving it.
 func TestMain(m *testing.M) {
-	os.Exit(envtestutil.RunWithManager(m, controllers.ManagerOptions{
+	os.Exit(envtestutil.RunWithManager(m, manager.Options{
 		Namespace: "idemcp-system", MissingPolicy: "deny", Sidecar: sidecar,
 	}, func(c *envtestutil.Cluster) {
 		cfg, k8s, testEnv = c.Config, c.Client, c.Env

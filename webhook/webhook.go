@@ -5,10 +5,12 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/client-go/tools/events"
 	"sigs.k8s.io/controller-runtime/pkg/client"
@@ -17,7 +19,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/webhook/admission"
 
 	"github.com/idemcp/idemcp/api/v1alpha1"
-	"github.com/idemcp/idemcp/sidecar/policy"
+	"github.com/idemcp/idemcp/internal/policy"
 )
 
 // Path is where the manager serves the Pod webhook.
@@ -36,16 +38,13 @@ const (
 	MissingPolicyAdmit MissingPolicy = "admit"
 )
 
-// Reasons for skipping or refusing a pod, as metric labels and events.
+// Reasons for skipping a pod, as metric labels.
 const (
 	SkipManagerNamespace = "manager_namespace"
 	SkipNotOptedIn       = "not_opted_in"
 	SkipHostNetwork      = "host_network"
 	SkipAlreadyInjected  = "already_injected"
 	SkipPolicyMissing    = "policy_missing"
-	DenyPolicyMissing    = "policy_missing"
-	DenyNoUpstreamPort   = "no_upstream_port"
-	DenyInvalidPolicy    = "invalid_policy"
 )
 
 var (
@@ -69,49 +68,101 @@ func init() {
 
 // Injector is the Pod defaulter. It is safe to run twice on one pod.
 type Injector struct {
-	Client           client.Reader
+	Client client.Reader
+	// APIReader, when set, is asked before a policy missing from Client's
+	// cache is reported missing.
+	APIReader        client.Reader
 	Config           Config
 	ManagerNamespace string
 	MissingPolicy    MissingPolicy
 	Recorder         events.EventRecorder
+	// PolicyCA returns the PEM injected as IDEMCP_POLICY_CA beside the
+	// policy stream's endpoint.
+	PolicyCA func(context.Context) ([]byte, error)
 }
 
 var _ admission.Defaulter[*corev1.Pod] = (*Injector)(nil)
 
+// +kubebuilder:rbac:groups="",resources=limitranges,verbs=get;list;watch
+
+// call is one admission of one pod. A dry run (kubectl --dry-run=server)
+// has no side effects: no Events, no metrics, as the webhook's
+// sideEffects: None promises.
+type call struct {
+	dryRun   bool
+	recorder events.EventRecorder
+}
+
+func (c call) event(regarding runtime.Object, eventtype, reason, note string, args ...any) {
+	if !c.dryRun {
+		c.recorder.Eventf(regarding, nil, eventtype, reason, "Inject", note, args...)
+	}
+}
+
+func (c call) skip(reason string) {
+	if !c.dryRun {
+		skips.WithLabelValues(reason).Inc()
+	}
+}
+
+func (c call) deny(err error) error {
+	reason := "error"
+	var r *Refusal
+	if errors.As(err, &r) {
+		reason = r.Reason
+	}
+	if !c.dryRun {
+		denials.WithLabelValues(reason).Inc()
+	}
+	return err
+}
+
 // Default injects the sidecar into pod if it opted in.
 func (i *Injector) Default(ctx context.Context, pod *corev1.Pod) error {
 	ns := pod.Namespace
-	if req, err := admission.RequestFromContext(ctx); err == nil && req.Namespace != "" {
-		ns = req.Namespace
+	c := call{recorder: i.Recorder}
+	if req, err := admission.RequestFromContext(ctx); err == nil {
+		if req.Namespace != "" {
+			ns = req.Namespace
+		}
+		c.dryRun = req.DryRun != nil && *req.DryRun
 	}
 	name := pod.Name
 	if name == "" {
 		name = pod.GenerateName + "<generated>"
 	}
 	logger := log.FromContext(ctx).WithValues("pod", ns+"/"+name)
-	switch {
-	case ns == i.ManagerNamespace:
-		skips.WithLabelValues(SkipManagerNamespace).Inc()
+	if ns == i.ManagerNamespace {
+		c.skip(SkipManagerNamespace)
 		return nil
-	case !optedIn(pod):
-		skips.WithLabelValues(SkipNotOptedIn).Inc()
+	}
+	optedIn, err := OptedIn(pod)
+	switch {
+	case err != nil:
+		return c.deny(err)
+	case !optedIn:
+		c.skip(SkipNotOptedIn)
 		return nil
 	case Injected(pod):
-		skips.WithLabelValues(SkipAlreadyInjected).Inc()
+		c.skip(SkipAlreadyInjected)
 		return nil
 	}
 	policyName := pod.Annotations[AnnotationPolicy]
 	var p v1alpha1.IdempotencyPolicy
-	err := errors.New("the pod has no " + AnnotationPolicy + " annotation")
+	err = errors.New("the pod has no " + AnnotationPolicy + " annotation")
 	if policyName != "" {
-		err = i.Client.Get(ctx, client.ObjectKey{Namespace: ns, Name: policyName}, &p)
+		key := client.ObjectKey{Namespace: ns, Name: policyName}
+		err = i.Client.Get(ctx, key, &p)
+		if apierrors.IsNotFound(err) && i.APIReader != nil {
+			// A policy applied a moment ago may not be in the cache yet.
+			err = i.APIReader.Get(ctx, key, &p)
+		}
 	}
 	if pod.Spec.HostNetwork {
-		skips.WithLabelValues(SkipHostNetwork).Inc()
+		c.skip(SkipHostNetwork)
 		logger.Info("Not injecting a hostNetwork pod: the sidecar's ports would be the node's")
 		if err == nil {
-			i.Recorder.Eventf(&p, nil, corev1.EventTypeWarning, "HostNetworkSkipped", "Inject",
-				"Pod %s uses hostNetwork and was admitted without the idemcp sidecar", name)
+			c.event(&p, corev1.EventTypeWarning, "HostNetworkSkipped", "Pod %s uses hostNetwork and was admitted without the idemcp sidecar", name)
 		}
 		return nil
 	}
@@ -119,31 +170,81 @@ func (i *Injector) Default(ctx context.Context, pod *corev1.Pod) error {
 		if policyName != "" && !apierrors.IsNotFound(err) {
 			return fmt.Errorf("reading IdempotencyPolicy %s/%s: %w", ns, policyName, err)
 		}
-		msg := fmt.Sprintf("IdempotencyPolicy %s/%s not found: create it, or set the pod's %s annotation to an existing policy, or remove %s", ns, policyName, AnnotationPolicy, AnnotationInject)
+		msg := fmt.Sprintf("IdempotencyPolicy %s/%s not found: create it, or set the pod's %s annotation to an existing policy, or remove the label %s", ns, policyName, AnnotationPolicy, LabelInject)
 		if policyName == "" {
-			msg = fmt.Sprintf("the pod asks for idemcp (%s: \"true\") but names no policy: add the annotation %s: <name of an IdempotencyPolicy in %s>", AnnotationInject, AnnotationPolicy, ns)
+			msg = fmt.Sprintf("the pod asks for idemcp (label %s: \"true\") but names no policy: add the annotation %s: <name of an IdempotencyPolicy in %s>", LabelInject, AnnotationPolicy, ns)
 		}
 		if i.MissingPolicy == MissingPolicyAdmit {
-			skips.WithLabelValues(SkipPolicyMissing).Inc()
+			c.skip(SkipPolicyMissing)
 			logger.Info("Admitting without the sidecar", "reason", msg)
 			return nil
 		}
-		denials.WithLabelValues(DenyPolicyMissing).Inc()
-		return errors.New(msg)
+		return c.deny(refuse(DenyPolicyMissing, "%s", msg))
+	}
+	if p.DeletionTimestamp != nil {
+		// A new pod would hold the policy's finalizer, and its store, for
+		// as long as it lives: the deletion would never finish.
+		msg := fmt.Sprintf("IdempotencyPolicy %s/%s is being deleted (since %s): it waits for the pods that use it to go, so it takes no new ones; remove the %s annotation, or name another policy, or recreate the policy once its deletion is done",
+			ns, policyName, p.DeletionTimestamp.UTC().Format(time.RFC3339), AnnotationPolicy)
+		if i.MissingPolicy == MissingPolicyAdmit {
+			c.skip(SkipPolicyMissing)
+			logger.Info("Admitting without the sidecar", "reason", msg)
+			return nil
+		}
+		return c.deny(refuse(DenyPolicyDeleting, "%s", msg))
 	}
 	compiled, err := policy.Compile(p.Spec)
 	if err != nil {
-		denials.WithLabelValues(DenyInvalidPolicy).Inc()
-		return fmt.Errorf("IdempotencyPolicy %s/%s is invalid: %w", ns, policyName, err)
+		return c.deny(refuse(DenyInvalidPolicy, "IdempotencyPolicy %s/%s is invalid: %v", ns, policyName, err))
 	}
-	if err := Inject(pod, &p, compiled.Hash, i.Config); err != nil {
-		denials.WithLabelValues(DenyNoUpstreamPort).Inc()
-		i.Recorder.Eventf(&p, nil, corev1.EventTypeWarning, "InjectionRefused", "Inject", "Pod %s: %v", name, err)
-		return fmt.Errorf("idemcp cannot inject pod %s: %w", name, err)
+	cfg := i.Config
+	if i.PolicyCA != nil && cfg.PolicyEndpoint != "" {
+		// The bundle of today: the CAs the policy stream may serve from.
+		ca, caErr := i.PolicyCA(ctx)
+		if caErr != nil {
+			return fmt.Errorf("idemcp cannot inject pod %s: reading the policy stream's CA: %w", name, caErr)
+		}
+		cfg.PolicyCABundle = string(ca)
 	}
-	injections.Inc()
-	i.Recorder.Eventf(&p, nil, corev1.EventTypeNormal, "Injected", "Inject", "Injected the idemcp sidecar into pod %s", name)
+	err = Inject(pod, &p, compiled.Hash, cfg)
+	if err == nil {
+		var ranges corev1.LimitRangeList
+		if err = i.Client.List(ctx, &ranges, client.InNamespace(ns)); err != nil {
+			return fmt.Errorf("reading the LimitRanges of %s: %w", ns, err)
+		}
+		err = applyLimitRanges(pod, ranges.Items)
+	}
+	if err != nil {
+		c.event(&p, corev1.EventTypeWarning, "InjectionRefused", "Pod %s: %v", name, err)
+		return c.deny(fmt.Errorf("idemcp cannot inject pod %s: %w", name, err))
+	}
+	if !c.dryRun {
+		injections.Inc()
+	}
+	c.event(&p, corev1.EventTypeNormal, "Injected", "Injected the idemcp sidecar into pod %s", name)
+	if pod.Spec.AutomountServiceAccountToken != nil && !*pod.Spec.AutomountServiceAccountToken {
+		// The policy stream authenticates the sidecar with a token for the
+		// audience idemcp only (the API server does not accept it), mounted
+		// into the sidecar alone: the app containers still get no token.
+		if regarding := eventTarget(pod, ns); regarding != nil {
+			c.event(regarding, corev1.EventTypeNormal, "IdemcpTokenMounted",
+				"Pod %s: automountServiceAccountToken is false; the idemcp sidecar alone gets a token of audience %s (not valid for the API server) for its policy stream", name, TokenAudience)
+		}
+	}
 	logger.V(1).Info("Injected the sidecar", "policy", policyName, "policyHash", compiled.Hash)
+	return nil
+}
+
+// eventTarget is what an Event about a pod under admission regards: the pod
+// itself when it has a name, else (a generated name is given only after
+// admission) the workload that creates it, else nothing.
+func eventTarget(pod *corev1.Pod, ns string) runtime.Object {
+	if pod.Name != "" {
+		return pod
+	}
+	if owner := metav1.GetControllerOf(pod); owner != nil {
+		return &corev1.ObjectReference{APIVersion: owner.APIVersion, Kind: owner.Kind, Name: owner.Name, UID: owner.UID, Namespace: ns}
+	}
 	return nil
 }
 

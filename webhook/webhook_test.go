@@ -7,12 +7,14 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/equality"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/client-go/tools/events"
 	"sigs.k8s.io/controller-runtime/pkg/client"
@@ -30,9 +32,15 @@ func createPolicy(t *testing.T, ns, name string, spec v1alpha1.IdempotencyPolicy
 	return p
 }
 
+// mcpPod is an MCP server pod that opts in with the label
+// idemcp.io/inject: "true".
 func mcpPod(ns, name string, annotations map[string]string) *corev1.Pod {
+	a := map[string]string{}
+	for k, v := range annotations {
+		a[k] = v
+	}
 	return &corev1.Pod{
-		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns, Annotations: annotations},
+		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns, Annotations: a, Labels: map[string]string{webhook.LabelInject: "true"}},
 		Spec: corev1.PodSpec{Containers: []corev1.Container{{
 			Name:  "server",
 			Image: "example.com/mcp-server:1",
@@ -41,7 +49,7 @@ func mcpPod(ns, name string, annotations map[string]string) *corev1.Pod {
 	}
 }
 
-var optIn = map[string]string{webhook.AnnotationInject: "true", webhook.AnnotationPolicy: "payments"}
+var optIn = map[string]string{webhook.AnnotationPolicy: "payments"}
 
 func managedSpec() v1alpha1.IdempotencyPolicySpec {
 	return v1alpha1.IdempotencyPolicySpec{Store: v1alpha1.StoreSpec{Type: v1alpha1.StoreRedis, Redis: &v1alpha1.RedisStoreSpec{Managed: &v1alpha1.ManagedRedis{}}}}
@@ -90,9 +98,15 @@ func TestInjectsOptedInPod(t *testing.T) {
 	if c.Image != testImage {
 		t.Errorf("image %s, want the manager's %s", c.Image, testImage)
 	}
+	// The admin address is explicit and on every interface of the pod: run
+	// by hand the sidecar's admin listener defaults to loopback, where the
+	// kubelet's probes and a scraper could not reach it.
 	wantArgs := []string{"sidecar", "--listen=:15480", "--admin-listen=:15481", "--upstream=http://127.0.0.1:8080", "--redis-addr=payments-redis." + ns + ".svc:6379"}
 	if strings.Join(c.Args, " ") != strings.Join(wantArgs, " ") {
 		t.Errorf("args %q, want %q", c.Args, wantArgs)
+	}
+	if len(c.Command) != 1 || c.Command[0] != "/idemcp-proxy" {
+		t.Errorf("command %q, want the image's data-plane binary [/idemcp-proxy]", c.Command)
 	}
 	// Port swap: the server's mcp port is renamed, the sidecar's takes the name.
 	if p := pod.Spec.Containers[0].Ports[0]; p.Name != "mcp-upstream" || p.ContainerPort != 8080 {
@@ -109,7 +123,8 @@ func TestInjectsOptedInPod(t *testing.T) {
 	if c.ReadinessProbe.HTTPGet.Path != "/readyz" || c.LivenessProbe.HTTPGet.Path != "/healthz" {
 		t.Errorf("probe paths %s %s", c.ReadinessProbe.HTTPGet.Path, c.LivenessProbe.HTTPGet.Path)
 	}
-	if c.Resources.Requests.Cpu().String() != "10m" || c.Resources.Limits.Memory().String() != "128Mi" {
+	if c.Resources.Requests.Cpu().String() != "50m" || c.Resources.Limits.Cpu().String() != "500m" ||
+		c.Resources.Requests.Memory().String() != "64Mi" || c.Resources.Limits.Memory().String() != "128Mi" {
 		t.Errorf("resources %+v", c.Resources)
 	}
 	sc := c.SecurityContext
@@ -120,6 +135,11 @@ func TestInjectsOptedInPod(t *testing.T) {
 	pw := envValue(c, "IDEMCP_REDIS_PASSWORD")
 	if pw == nil || pw.ValueFrom == nil || pw.ValueFrom.SecretKeyRef == nil || pw.ValueFrom.SecretKeyRef.Name != "payments-redis" || pw.ValueFrom.SecretKeyRef.Key != "password" {
 		t.Errorf("redis password env %+v, want a secretKeyRef to payments-redis/password", pw)
+	}
+	// Every workload of the policy shares its key space; the sidecar adds
+	// no upstream to an explicit prefix.
+	if pre := envValue(c, "IDEMCP_REDIS_KEY_PREFIX"); pre == nil || pre.Value != "idemcp:"+ns+"/payments:" {
+		t.Errorf("redis key prefix env %+v, want idemcp:%s/payments:", pre, ns)
 	}
 	snap := envValue(c, "IDEMCP_POLICY")
 	if snap == nil || !strings.Contains(snap.Value, `"kind":"IdempotencyPolicy"`) || !strings.Contains(snap.Value, `"managed":{}`) || strings.Contains(snap.Value, "password") {
@@ -149,6 +169,7 @@ func TestInjectsOptedInPod(t *testing.T) {
 	// copied from another): still one sidecar.
 	again := pod.DeepCopy()
 	again.ObjectMeta = metav1.ObjectMeta{Name: "mcp-1", Namespace: ns, Annotations: pod.Annotations, Labels: pod.Labels}
+	again.Status = corev1.PodStatus{}
 	if err := k8s.Create(ctx, again); err != nil {
 		t.Fatal(err)
 	}
@@ -184,14 +205,17 @@ func TestServerProbesKeepTheirPort(t *testing.T) {
 	if e := envValue(sc, "GOMEMLIMIT"); e == nil || e.Value != strconv.Itoa(128<<20*8/10) {
 		t.Errorf("GOMEMLIMIT %+v, want 80%% of the 128Mi limit", e)
 	}
+	if e := envValue(sc, webhook.EnvMemoryStoreMaxBytes); e == nil || e.Value != strconv.Itoa(64<<20) {
+		t.Errorf("%s %+v, want half of the 128Mi limit", webhook.EnvMemoryStoreMaxBytes, e)
+	}
 }
 
 func TestPlainContainerFallbackAndUpstreamAnnotation(t *testing.T) {
 	ns := namespace(t, true)
 	createPolicy(t, ns, "payments", v1alpha1.IdempotencyPolicySpec{})
 	pod := mcpPod(ns, "old-cluster", map[string]string{
-		webhook.AnnotationInject: "true", webhook.AnnotationPolicy: "payments",
-		webhook.AnnotationNativeSidecar: "false", webhook.AnnotationUpstreamPort: "9090",
+		webhook.AnnotationPolicy:        "payments",
+		webhook.AnnotationNativeSidecar: "False", webhook.AnnotationUpstreamPort: "9090",
 	})
 	if err := k8s.Create(context.Background(), pod); err != nil {
 		t.Fatal(err)
@@ -203,8 +227,10 @@ func TestPlainContainerFallbackAndUpstreamAnnotation(t *testing.T) {
 	if !strings.Contains(strings.Join(c.Args, " "), "--upstream=http://127.0.0.1:9090") {
 		t.Errorf("args %q do not use the annotated port", c.Args)
 	}
-	if pod.Spec.Containers[0].Ports[0].Name != "mcp" || c.Ports[0].Name != "" {
-		t.Error("the mcp port was swapped although the upstream is another port")
+	// The annotated port's name (metrics) is taken over; mcp names
+	// another port and stays.
+	if p := pod.Spec.Containers[0].Ports; p[0].Name != "mcp" || p[1].Name != "mcp-upstream" || c.Ports[0].Name != "metrics" {
+		t.Errorf("server ports %+v, sidecar port %+v: want mcp kept, metrics taken over by the sidecar", p, c.Ports[0])
 	}
 	if envValue(c, "IDEMCP_REDIS_PASSWORD") != nil {
 		t.Error("a Memory policy got a Redis password")
@@ -218,12 +244,13 @@ func TestPodsLeftAlone(t *testing.T) {
 	createPolicy(t, disabled, "payments", v1alpha1.IdempotencyPolicySpec{})
 	host := mcpPod(enabled, "host", optIn)
 	host.Spec.HostNetwork = true
-	pods := []*corev1.Pod{
-		mcpPod(enabled, "not-opted-in", map[string]string{webhook.AnnotationPolicy: "payments"}),
-		mcpPod(enabled, "opted-out", map[string]string{webhook.AnnotationInject: "false", webhook.AnnotationPolicy: "payments"}),
-		mcpPod(disabled, "other-namespace", optIn),
-		host,
-	}
+	notOptedIn := mcpPod(enabled, "not-opted-in", optIn)
+	notOptedIn.Labels = nil
+	// The annotation of earlier versions no longer opts in.
+	notOptedIn.Annotations["idemcp.io/inject"] = "true"
+	optedOut := mcpPod(enabled, "opted-out", optIn)
+	optedOut.Labels[webhook.LabelInject] = "False"
+	pods := []*corev1.Pod{notOptedIn, optedOut, mcpPod(disabled, "other-namespace", optIn), host}
 	for _, p := range pods {
 		if err := k8s.Create(ctx, p); err != nil {
 			t.Fatalf("%s: %v", p.Name, err)
@@ -253,7 +280,7 @@ func TestPodsLeftAlone(t *testing.T) {
 		Spec: appsv1.DeploymentSpec{
 			Selector: &metav1.LabelSelector{MatchLabels: map[string]string{"app": "mcp"}},
 			Template: corev1.PodTemplateSpec{
-				ObjectMeta: metav1.ObjectMeta{Labels: map[string]string{"app": "mcp"}, Annotations: optIn},
+				ObjectMeta: metav1.ObjectMeta{Labels: map[string]string{"app": "mcp", webhook.LabelInject: "true"}, Annotations: optIn},
 				Spec:       mcpPod(enabled, "", nil).Spec,
 			},
 		},
@@ -266,38 +293,6 @@ func TestPodsLeftAlone(t *testing.T) {
 	}
 }
 
-func TestServiceTargetPortReachesSidecar(t *testing.T) {
-	ctx := context.Background()
-	ns := namespace(t, true)
-	createPolicy(t, ns, "payments", v1alpha1.IdempotencyPolicySpec{})
-	pod := mcpPod(ns, "mcp-0", optIn)
-	pod.Labels = map[string]string{"app": "mcp"}
-	if err := k8s.Create(ctx, pod); err != nil {
-		t.Fatal(err)
-	}
-	svc := &corev1.Service{
-		ObjectMeta: metav1.ObjectMeta{Name: "mcp", Namespace: ns},
-		Spec: corev1.ServiceSpec{Selector: map[string]string{"app": "mcp"},
-			Ports: []corev1.ServicePort{{Port: 80, TargetPort: intstr.FromString("mcp")}}},
-	}
-	if err := k8s.Create(ctx, svc); err != nil {
-		t.Fatal(err)
-	}
-	// Resolve targetPort as the endpoints controller does: the container
-	// port of that name, among all containers (native sidecars included).
-	var target []string
-	for _, c := range append(append([]corev1.Container{}, pod.Spec.InitContainers...), pod.Spec.Containers...) {
-		for _, p := range c.Ports {
-			if p.Name == svc.Spec.Ports[0].TargetPort.StrVal {
-				target = append(target, fmt.Sprintf("%s:%d", c.Name, p.ContainerPort))
-			}
-		}
-	}
-	if strings.Join(target, ",") != webhook.ContainerName+":15480" {
-		t.Fatalf("targetPort mcp resolves to %v, want only the sidecar's 15480", target)
-	}
-}
-
 func TestRefusals(t *testing.T) {
 	ctx := context.Background()
 	ns := namespace(t, true)
@@ -305,7 +300,7 @@ func TestRefusals(t *testing.T) {
 	if err == nil || !strings.Contains(err.Error(), "IdempotencyPolicy "+ns+"/payments not found") {
 		t.Errorf("pod with a missing policy: %v, want a denial naming the policy", err)
 	}
-	err = k8s.Create(ctx, mcpPod(ns, "unnamed", map[string]string{webhook.AnnotationInject: "true"}))
+	err = k8s.Create(ctx, mcpPod(ns, "unnamed", nil))
 	if err == nil || !strings.Contains(err.Error(), "names no policy") {
 		t.Errorf("pod naming no policy: %v", err)
 	}
@@ -316,14 +311,14 @@ func TestRefusals(t *testing.T) {
 	if err == nil || !strings.Contains(err.Error(), `name the MCP server's container port "mcp" or annotate the pod idemcp.io/upstream-port`) {
 		t.Errorf("pod without an upstream port: %v", err)
 	}
-	bad := mcpPod(ns, "bad-port", map[string]string{webhook.AnnotationInject: "true", webhook.AnnotationPolicy: "payments", webhook.AnnotationUpstreamPort: "http"})
+	bad := mcpPod(ns, "bad-port", map[string]string{webhook.AnnotationPolicy: "payments", webhook.AnnotationUpstreamPort: "http"})
 	if err = k8s.Create(ctx, bad); err == nil || !strings.Contains(err.Error(), `idemcp.io/upstream-port is "http"`) {
 		t.Errorf("pod with a bad upstream-port: %v", err)
 	}
 
 	// With --webhook-missing-policy=admit the pod runs without the sidecar.
 	admit := &webhook.Injector{Client: k8s, Config: sidecar, MissingPolicy: webhook.MissingPolicyAdmit, Recorder: events.NewFakeRecorder(10)}
-	pod := mcpPod(ns, "admitted", map[string]string{webhook.AnnotationInject: "true", webhook.AnnotationPolicy: "absent"})
+	pod := mcpPod(ns, "admitted", map[string]string{webhook.AnnotationPolicy: "absent"})
 	if err := admit.Default(ctx, pod); err != nil || webhook.Injected(pod) {
 		t.Errorf("admit mode: err %v, injected %v; want admitted untouched", err, webhook.Injected(pod))
 	}
@@ -336,3 +331,49 @@ func TestRefusals(t *testing.T) {
 func recorder() events.EventRecorder { return events.NewFakeRecorder(100) }
 
 func itoa(n int32) string { return fmt.Sprint(n) }
+
+// TestRefusesPodsOfAPolicyBeingDeleted: a policy being deleted waits for
+// its pods to go; a new pod that names it is refused with a message naming
+// it, so the deletion can finish (in admit mode it runs without the sidecar).
+func TestRefusesPodsOfAPolicyBeingDeleted(t *testing.T) {
+	ctx := context.Background()
+	ns := namespace(t, true)
+	p := createPolicy(t, ns, "payments", v1alpha1.IdempotencyPolicySpec{})
+	// The controller's finalizer, as if pods still used the policy.
+	if err := k8s.Patch(ctx, p, client.RawPatch(types.MergePatchType, []byte(`{"metadata":{"finalizers":["`+v1alpha1.FinalizerInUse+`"]}}`))); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_ = k8s.Patch(ctx, p, client.RawPatch(types.MergePatchType, []byte(`{"metadata":{"finalizers":null}}`)))
+	})
+	if err := k8s.Create(ctx, mcpPod(ns, "before", optIn)); err != nil {
+		t.Fatalf("a pod of the live policy: %v", err)
+	}
+	if err := k8s.Delete(ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	// The webhook reads policies from its cache: it may take a moment to
+	// see the deletion.
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+		err := k8s.Create(ctx, mcpPod(ns, "after", optIn))
+		if err != nil && strings.Contains(err.Error(), "IdempotencyPolicy "+ns+"/payments is being deleted") {
+			break
+		}
+		if err == nil {
+			_ = k8s.Delete(ctx, mcpPod(ns, "after", optIn))
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("a pod naming the policy being deleted: %v, want a refusal saying it is being deleted", err)
+		}
+	}
+
+	var deleting v1alpha1.IdempotencyPolicy
+	if err := k8s.Get(ctx, client.ObjectKeyFromObject(p), &deleting); err != nil {
+		t.Fatal(err)
+	}
+	admit := &webhook.Injector{Client: k8s, Config: sidecar, MissingPolicy: webhook.MissingPolicyAdmit, Recorder: events.NewFakeRecorder(10)}
+	pod := mcpPod(ns, "admitted", optIn)
+	if err := admit.Default(ctx, pod); err != nil || webhook.Injected(pod) || pod.Labels[v1alpha1.LabelPolicy] != "" {
+		t.Errorf("admit mode: err %v, injected %v, label %q; want admitted without the sidecar", err, webhook.Injected(pod), pod.Labels[v1alpha1.LabelPolicy])
+	}
+}

@@ -26,7 +26,14 @@ const (
 	ReasonProvisioningFailed = "ProvisioningFailed"
 	// ReasonExternalRedis: an external Redis is configured and its Secret exists.
 	ReasonExternalRedis = "ExternalRedisConfigured"
-	// ReasonSecretNotFound: the Secret named by passwordSecretRef is missing.
+	// ReasonExternalPostgres: a PostgreSQL store is configured and its
+	// Secret holds a connection string.
+	ReasonExternalPostgres = "ExternalPostgresConfigured"
+	// ReasonInvalidSecret: the Secret's value is not what the field needs
+	// (a connection string that does not parse).
+	ReasonInvalidSecret = "InvalidSecret"
+	// ReasonSecretNotFound: the Secret named by passwordSecretRef or
+	// urlSecretRef is missing.
 	ReasonSecretNotFound = "SecretNotFound"
 	// ReasonSecretKeyMissing: the Secret exists but lacks the key.
 	ReasonSecretKeyMissing = "SecretKeyMissing"
@@ -37,6 +44,63 @@ const (
 	ReasonReady = "Ready"
 	// ReasonStoreNotReady: Ready is False because the store is not.
 	ReasonStoreNotReady = "StoreNotReady"
+	// ReasonSidecarsNotSynced: Ready is False because SidecarsSynced is.
+	ReasonSidecarsNotSynced = "SidecarsNotSynced"
+	// ReasonRedisObjectConflict: an object the managed Redis needs (its
+	// Secret, StatefulSet, Service, PodDisruptionBudget, NetworkPolicy or
+	// volume claim) exists and is not owned by this policy; idemcp never
+	// adopts it.
+	ReasonRedisObjectConflict = "RedisObjectConflict"
+	// ReasonRedisReplacing: an older managed Redis (a Deployment made by an
+	// earlier idemcp) is shutting down; the new one starts once its pods
+	// are gone, so two never run at once.
+	ReasonRedisReplacing = "RedisReplacing"
+	// ReasonRedisPasswordReset: the managed Redis's Secret was lost and a
+	// new password was made; Redis restarts with it, and the pods that use
+	// the policy need a restart to get it.
+	ReasonRedisPasswordReset = "RedisPasswordReset"
+	// ReasonSecretNotLabelled: the Secret named by passwordSecretRef lacks
+	// the label idemcp.io/credentials: "true" that opts it in to idemcp.
+	ReasonSecretNotLabelled = "SecretNotLabelled"
+	// ReasonStoreSharedByWorkloads: pods of more than one top-level
+	// workload use one Redis policy, so different MCP servers share one key
+	// space and may replay each other's results.
+	ReasonStoreSharedByWorkloads = "StoreSharedByWorkloads"
+	// ReasonPolicyInUse: the policy is being deleted, and the finalizer
+	// holds it (and its Redis) until no pod uses it.
+	ReasonPolicyInUse = "PolicyInUse"
+)
+
+// Reasons of the SidecarsSynced condition, which the policy stream writes.
+const (
+	// ReasonAllSynced: every connected sidecar applied the current policyHash.
+	ReasonAllSynced = "AllSynced"
+	// ReasonNoSidecars: no sidecar holds a stream for this policy; nothing
+	// is out of date.
+	ReasonNoSidecars = "NoSidecarsConnected"
+	// ReasonSyncing: some connected sidecars have not acknowledged the
+	// current policyHash yet.
+	ReasonSyncing = "Syncing"
+	// ReasonPolicyRejected: a sidecar could not apply the policy (a NACK);
+	// the message carries its reason. It keeps enforcing its last good policy.
+	ReasonPolicyRejected = "PolicyRejected"
+	// ReasonRestartRequired: the policy changed its store, which a running
+	// sidecar cannot switch; the message names the pods' count and the
+	// kubectl rollout restart to run.
+	ReasonRestartRequired = "RestartRequired"
+	// ReasonStreamUnavailable: the manager does not serve the policy
+	// stream (no leader); sidecars keep enforcing their last policy.
+	ReasonStreamUnavailable = "StreamUnavailable"
+)
+
+// Field managers of the status: each writer applies its own fields with
+// server-side apply, so neither overwrites the other's conditions.
+const (
+	// FieldManagerController owns observedGeneration, policyHash, store and
+	// the StoreReady and Ready conditions.
+	FieldManagerController = "idemcp-controller"
+	// FieldManagerPolicyStream owns sidecars and the SidecarsSynced condition.
+	FieldManagerPolicyStream = "idemcp-policy-stream"
 )
 
 // Labels and annotations idemcp writes or reads.
@@ -46,4 +110,15 @@ const (
 	LabelPolicy = "idemcp.io/policy"
 	// LabelComponent names what a created object is for.
 	LabelComponent = "idemcp.io/component"
+	// LabelInject opts a pod in to injection ("true"); the pods idemcp
+	// creates carry "false".
+	LabelInject = "idemcp.io/inject"
+	// LabelCredentials opts a Secret in to use by idemcp: a policy's
+	// passwordSecretRef may only name a Secret that carries it with "true".
+	LabelCredentials = "idemcp.io/credentials"
+	// AnnotationStatus is the webhook's mark on a pod it injected.
+	AnnotationStatus = "idemcp.io/status"
+	// FinalizerInUse holds a policy being deleted while pods use it, and
+	// the managed Redis's Secret while its Redis runs.
+	FinalizerInUse = "idemcp.io/in-use"
 )

@@ -7,7 +7,7 @@ import (
 )
 
 // StoreType names where claims and results are kept.
-// +kubebuilder:validation:Enum=Memory;Redis
+// +kubebuilder:validation:Enum=Memory;Redis;Postgres
 type StoreType string
 
 const (
@@ -16,6 +16,9 @@ const (
 	StoreMemory StoreType = "Memory"
 	// StoreRedis keeps records in Redis, shared by every sidecar of the policy.
 	StoreRedis StoreType = "Redis"
+	// StorePostgres keeps records in a PostgreSQL database the user runs,
+	// shared by every sidecar of the policy.
+	StorePostgres StoreType = "Postgres"
 )
 
 // StoreUnavailableAction says what a sidecar does when its store cannot be reached.
@@ -133,7 +136,7 @@ type IdempotencyPolicySpec struct {
 
 	// MaxResultBytes is the largest response that is stored for replay.
 	// +kubebuilder:default="1Mi"
-	// +kubebuilder:validation:XValidation:rule="quantity(self).isGreaterThan(quantity('0')) && quantity(self).isLessThan(quantity('65Mi'))",message="maxResultBytes must be more than 0 and at most 64Mi, such as 1Mi"
+	// +kubebuilder:validation:XValidation:rule="quantity(self).isGreaterThan(quantity('0')) && !quantity(self).isGreaterThan(quantity('64Mi'))",message="maxResultBytes must be more than 0 and at most 64Mi, such as 1Mi"
 	// +optional
 	MaxResultBytes *resource.Quantity `json:"maxResultBytes,omitempty"`
 
@@ -143,10 +146,15 @@ type IdempotencyPolicySpec struct {
 	DefaultMode ToolMode `json:"defaultMode,omitempty"`
 
 	// Tools are per-tool rules; the first rule whose name matches wins.
-	// Names are unique.
-	// +kubebuilder:validation:MaxItems=256
-	// +listType=map
-	// +listMapKey=name
+	// Names are unique. The list is atomic, so its order is the order its
+	// writer gave: server-side apply never merges or reorders rules. The
+	// policy travels to each sidecar in one environment variable (Linux
+	// caps one at 128 KiB), so the rules are bounded: 64 rules, and 8192
+	// characters of ignoreArguments pointers in all.
+	// +kubebuilder:validation:MaxItems=64
+	// +kubebuilder:validation:XValidation:rule="self.all(x, self.exists_one(y, y.name == x.name))",message="tool rule names must be unique: the first rule whose name matches a tool wins, so a second rule with the same name would never apply"
+	// +kubebuilder:validation:XValidation:rule="self.map(t, has(t.ignoreArguments) ? t.ignoreArguments.map(p, size(p)).sum() : 0).sum() <= 8192",message="the ignoreArguments pointers of all tools may have at most 8192 characters together: the policy must fit in one environment variable of the sidecar"
+	// +listType=atomic
 	// +optional
 	Tools []ToolRule `json:"tools,omitempty"`
 }
@@ -154,8 +162,10 @@ type IdempotencyPolicySpec struct {
 // StoreSpec says where claims and results are kept.
 // +kubebuilder:validation:XValidation:rule="self.type != 'Redis' || (has(self.redis) && (has(self.redis.managed) != has(self.redis.external)))",message="type Redis needs exactly one of redis.managed or redis.external"
 // +kubebuilder:validation:XValidation:rule="self.type != 'Memory' || !has(self.redis)",message="type Memory takes no redis; set type: Redis or remove redis"
+// +kubebuilder:validation:XValidation:rule="self.type == 'Postgres' ? has(self.postgres) : !has(self.postgres)",message="store.postgres goes with type Postgres, and type Postgres needs store.postgres.urlSecretRef"
+// +kubebuilder:validation:XValidation:rule="self.type != 'Postgres' || !has(self.redis)",message="type Postgres takes no redis; remove store.redis"
 type StoreSpec struct {
-	// Type is Memory (per sidecar) or Redis (shared).
+	// Type is Memory (per sidecar), Redis or Postgres (shared).
 	// +kubebuilder:default=Memory
 	// +optional
 	Type StoreType `json:"type,omitempty"`
@@ -163,6 +173,20 @@ type StoreSpec struct {
 	// Redis configures the Redis store; only with type Redis.
 	// +optional
 	Redis *RedisStoreSpec `json:"redis,omitempty"`
+
+	// Postgres configures the PostgreSQL store; only with type Postgres.
+	// +optional
+	Postgres *PostgresStoreSpec `json:"postgres,omitempty"`
+}
+
+// PostgresStoreSpec points at a PostgreSQL database the user runs (directly
+// or through PgBouncer in transaction mode). The store creates its own
+// tables (idemcp_records, idemcp_schema_migrations) on first use.
+type PostgresStoreSpec struct {
+	// URLSecretRef names the Secret key that holds the connection string
+	// (postgres://user:password@host:5432/db?sslmode=verify-full, or the
+	// key=value form): it holds the password, so it is never in the policy.
+	URLSecretRef SecretKeyRef `json:"urlSecretRef"`
 }
 
 // RedisStoreSpec is either a Redis the controller runs or one the user runs.
@@ -177,19 +201,40 @@ type RedisStoreSpec struct {
 }
 
 // ManagedRedis is a Redis the controller provisions and owns.
+// +kubebuilder:validation:XValidation:rule="!(has(self.ephemeral) && self.ephemeral && has(self.storage))",message="ephemeral and storage exclude each other: ephemeral keeps Redis's data in an emptyDir, storage sizes its volume"
+// +kubebuilder:validation:XValidation:rule="has(self.storage) == has(oldSelf.storage) && (!has(self.storage) || quantity(self.storage).compareTo(quantity(oldSelf.storage)) == 0) && (has(self.ephemeral) && self.ephemeral) == (has(oldSelf.ephemeral) && oldSelf.ephemeral)",message="storage and ephemeral cannot change while the managed Redis exists (its volume would be replaced and every claim lost); expand the claim data-NAME-redis-0 directly, or switch the store away from managed and back to start a new Redis"
 type ManagedRedis struct {
-	// Image is the Redis container image (default: the manager's --redis-image).
+	// Image is the Redis container image. Without it a new Redis runs the
+	// manager's --redis-image, and keeps running the image it started with
+	// (status.store.image) across manager upgrades: set image to change it.
 	// +kubebuilder:validation:MaxLength=512
+	// +kubebuilder:validation:Pattern=`^[a-z0-9]([a-z0-9._-]*[a-z0-9])?(:[0-9]{1,5})?(/[a-z0-9]([a-z0-9._-]*[a-z0-9])?)*(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(@sha256:[a-f0-9]{64})?$`
 	// +optional
 	Image string `json:"image,omitempty"`
 
-	// Resources are the Redis container's requests and limits.
+	// Resources are the Redis container's requests and limits. A request
+	// without a limit gets the request as its limit (and the reverse), so
+	// Redis runs in the Guaranteed QoS class and always has a maxmemory
+	// (75% of the memory limit). Default: 100m CPU and 256Mi memory.
 	// +optional
 	Resources *corev1.ResourceRequirements `json:"resources,omitempty"`
 
-	// Storage, when set, gives Redis a persistent volume of this size.
+	// Storage is the size of Redis's persistent volume (default 1Gi).
+	// +kubebuilder:validation:XValidation:rule="quantity(self).isGreaterThan(quantity('0'))",message="storage must be more than 0, such as 1Gi"
 	// +optional
 	Storage *resource.Quantity `json:"storage,omitempty"`
+
+	// StorageClassName is the StorageClass of Redis's volume (default: the
+	// cluster's default class).
+	// +kubebuilder:validation:MaxLength=253
+	// +optional
+	StorageClassName *string `json:"storageClassName,omitempty"`
+
+	// Ephemeral keeps Redis's data in an emptyDir instead of a volume: a
+	// restart of its pod loses every stored result and claim in flight, and
+	// a retry then runs again. Only when asked for.
+	// +optional
+	Ephemeral bool `json:"ephemeral,omitempty"`
 }
 
 // ExternalRedis is a Redis the user runs: standalone, Sentinel or Cluster.
@@ -229,7 +274,7 @@ type SecretKeyRef struct {
 type ToolRule struct {
 	// Name is a tool name or a glob (`*` any run of characters, `?` one).
 	// +kubebuilder:validation:MinLength=1
-	// +kubebuilder:validation:MaxLength=256
+	// +kubebuilder:validation:MaxLength=128
 	// +kubebuilder:validation:Pattern=`^[A-Za-z0-9_./*?-]+$`
 	Name string `json:"name"`
 
@@ -257,8 +302,8 @@ type ToolRule struct {
 
 	// IgnoreArguments are JSON pointers (RFC 6901) into the arguments that
 	// are left out of the fingerprint, such as a timestamp.
-	// +kubebuilder:validation:MaxItems=64
-	// +kubebuilder:validation:items:MaxLength=512
+	// +kubebuilder:validation:MaxItems=32
+	// +kubebuilder:validation:items:MaxLength=256
 	// +kubebuilder:validation:items:Pattern=`^(/([^~/]|~[01])*)+$`
 	// +optional
 	IgnoreArguments []string `json:"ignoreArguments,omitempty"`
@@ -294,26 +339,48 @@ type StoreStatus struct {
 	// Endpoint is the address sidecars connect to.
 	// +optional
 	Endpoint string `json:"endpoint,omitempty"`
+
+	// Image is the image the managed Redis runs. It changes only when
+	// spec.store.redis.managed.image does, never with a manager upgrade.
+	// +optional
+	Image string `json:"image,omitempty"`
 }
 
-// SidecarsStatus counts sidecars in three stages.
+// SidecarsStatus counts sidecars in stages; the policy stream writes it.
 type SidecarsStatus struct {
-	// Injected is how many pods carry a sidecar for this policy.
+	// Injected is how many running pods carry a sidecar for this policy.
 	Injected int32 `json:"injected"`
 	// Connected is how many of them hold a policy stream.
 	Connected int32 `json:"connected"`
-	// Synced is how many acknowledged the current policyHash.
+	// Synced is how many applied the current policyHash in full.
 	Synced int32 `json:"synced"`
+	// RestartRequired is how many applied the current policy but keep the
+	// store they started with, because the policy changed its store: their
+	// pods must be restarted.
+	// +optional
+	RestartRequired int32 `json:"restartRequired,omitempty"`
+	// Ratio is synced/injected, as the Synced column prints it ("3/3").
+	// +optional
+	Ratio string `json:"ratio,omitempty"`
+	// SyncedHash is the policyHash the counts refer to.
+	// +optional
+	SyncedHash string `json:"syncedHash,omitempty"`
 }
 
 // IdempotencyPolicy makes an MCP server's tool calls exactly-once.
 // +kubebuilder:object:root=true
 // +kubebuilder:subresource:status
 // +kubebuilder:resource:shortName=idpol
+// +kubebuilder:validation:XValidation:rule="self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')",message="metadata.name must be a DNS-1035 label: lowercase letters, digits and '-', starting with a letter and ending with a letter or digit (it names the Service NAME-redis)"
+// +kubebuilder:validation:XValidation:rule="size(self.metadata.name) <= 46",message="metadata.name must be at most 46 characters: it names the StatefulSet NAME-redis, whose pods' revision label must fit in 63"
 // +kubebuilder:printcolumn:name="Store",type=string,JSONPath=`.spec.store.type`
 // +kubebuilder:printcolumn:name="TTL",type=string,JSONPath=`.spec.ttl`
+// +kubebuilder:printcolumn:name="Synced",type=string,JSONPath=`.status.sidecars.ratio`
 // +kubebuilder:printcolumn:name="Endpoint",type=string,JSONPath=`.status.store.endpoint`,priority=1
 // +kubebuilder:printcolumn:name="Ready",type=string,JSONPath=`.status.conditions[?(@.type=="Ready")].status`
+// +kubebuilder:printcolumn:name="Reason",type=string,JSONPath=`.status.conditions[?(@.type=="Ready")].reason`,priority=1
+// +kubebuilder:printcolumn:name="Store-Reason",type=string,JSONPath=`.status.conditions[?(@.type=="StoreReady")].reason`,priority=1
+// +kubebuilder:printcolumn:name="Image",type=string,JSONPath=`.status.store.image`,priority=1
 // +kubebuilder:printcolumn:name="Age",type=date,JSONPath=`.metadata.creationTimestamp`
 type IdempotencyPolicy struct {
 	metav1.TypeMeta   `json:",inline"`

@@ -2,6 +2,7 @@ package engine
 
 import (
 	"context"
+	"crypto/rand"
 	"encoding/json"
 	"strconv"
 	"testing"
@@ -16,7 +17,24 @@ const typicalParams = `{"name":"charge_card","arguments":{"card":"42424242424242
 const typicalResponse = `{"jsonrpc":"2.0","id":1,"result":{"content":[{"type":"text","text":"charged 129.99 EUR to card ending 4242 (charge ch_3k2j)"}],"structuredContent":{"chargeId":"ch_3k2j","status":"succeeded"}}}`
 
 func benchEngine(b *testing.B) *Engine {
-	return New(Options{Policy: mustPolicy(b, `spec: {tools: [{name: charge_*, ignoreArguments: [/requestedAt]}]}`), Store: store.NewMemory(1 << 20)})
+	return benchEngineOn(b, store.NewMemory(1<<20))
+}
+
+func benchEngineOn(b *testing.B, st store.Store) *Engine {
+	return New(Options{Policy: mustPolicy(b, `spec: {tools: [{name: charge_*, ignoreArguments: [/requestedAt]}]}`), Store: st})
+}
+
+// sealedMemory is the memory store with every result sealed (AES-256-GCM),
+// as a shared store is in a pod: the difference to the unsealed benchmark
+// is what sealing costs a call.
+func sealedMemory(b *testing.B) store.Store {
+	key := make([]byte, store.SealKeyBytes)
+	_, _ = rand.Read(key)
+	ring, err := store.NewKeyring(key)
+	if err != nil {
+		b.Fatal(err)
+	}
+	return store.Seal(store.NewMemory(1<<20), store.SealOptions{Keyring: ring, Context: "idemcp:shop/payments:"})
 }
 
 // BenchmarkKeyDerivation: parse a tools/call's params and derive its key.
@@ -37,8 +55,12 @@ func BenchmarkKeyDerivation(b *testing.B) {
 
 // BenchmarkExecuted: a deduplicated call that runs (a new key each time):
 // plan, reserve, forward, store the result.
-func BenchmarkExecuted(b *testing.B) {
-	e := benchEngine(b)
+func BenchmarkExecuted(b *testing.B) { benchExecuted(b, benchEngine(b)) }
+
+// BenchmarkExecutedSealed: BenchmarkExecuted with the result sealed.
+func BenchmarkExecutedSealed(b *testing.B) { benchExecuted(b, benchEngineOn(b, sealedMemory(b))) }
+
+func benchExecuted(b *testing.B, e *Engine) {
 	resp := []byte(typicalResponse)
 	fwd := func(context.Context) (Upstream, error) { return Upstream{Response: resp, Status: 200}, nil }
 	ctx := context.Background()
@@ -58,8 +80,12 @@ func BenchmarkExecuted(b *testing.B) {
 }
 
 // BenchmarkReplay: a retry answered from the store with the caller's id.
-func BenchmarkReplay(b *testing.B) {
-	e := benchEngine(b)
+func BenchmarkReplay(b *testing.B) { benchReplay(b, benchEngine(b)) }
+
+// BenchmarkReplaySealed: BenchmarkReplay with the stored result opened.
+func BenchmarkReplaySealed(b *testing.B) { benchReplay(b, benchEngineOn(b, sealedMemory(b))) }
+
+func benchReplay(b *testing.B, e *Engine) {
 	ctx := context.Background()
 	tc, _ := ParseToolCall(json.RawMessage(typicalParams))
 	p, _ := e.Plan(tc, Caller{Session: "s"})

@@ -13,14 +13,15 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"runtime/debug"
 	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/idemcp/idemcp/api/v1alpha1"
+	"github.com/idemcp/idemcp/internal/policy"
 	"github.com/idemcp/idemcp/sidecar/mcpmsg"
-	"github.com/idemcp/idemcp/sidecar/policy"
 	"github.com/idemcp/idemcp/sidecar/store"
 )
 
@@ -48,6 +49,11 @@ type Engine struct {
 	instance string
 	seq      atomic.Uint64
 	running  activity
+
+	unscoped     atomic.Uint64
+	unscopedOnce sync.Once
+
+	waiters *waiters
 }
 
 // Options configure an Engine.
@@ -56,11 +62,19 @@ type Options struct {
 	Store   store.Store
 	Metrics *Metrics
 	Logger  *slog.Logger
+	// MaxWaitersPerKey and MaxWaitersPerPrincipal bound the duplicates
+	// waiting on calls in flight (inFlight: Wait): for one key, and for
+	// one principal (callers with no principal count as one). Over either
+	// bound a call is answered mcpmsg.CodeOverloaded and nothing runs.
+	// 0 means the defaults; a negative value, no bound.
+	MaxWaitersPerKey       int
+	MaxWaitersPerPrincipal int
 }
 
 // New returns an engine.
 func New(o Options) *Engine {
-	e := &Engine{store: o.Store, hints: NewToolHints(), metrics: o.Metrics, log: o.Logger}
+	e := &Engine{store: o.Store, hints: NewToolHints(), metrics: o.Metrics, log: o.Logger,
+		waiters: newWaiters(o.MaxWaitersPerKey, o.MaxWaitersPerPrincipal)}
 	if e.metrics == nil {
 		e.metrics = NewMetrics(nil)
 	}
@@ -108,8 +122,52 @@ func (e *Engine) deduplicates(r *policy.Rule, tool string) bool {
 	}
 }
 
-// CountPassthrough counts a tools/call forwarded without deduplication.
+// CountPassthrough counts a tools/call forwarded without deduplication
+// that the transport did not hand to Plan (Plan counts its own).
 func (e *Engine) CountPassthrough() { e.metrics.Calls.WithLabelValues(OutcomePassthrough).Inc() }
+
+// Unscoped reports how many calls were forwarded without deduplication
+// because their key would have had no scope (see Plan).
+func (e *Engine) Unscoped() uint64 { return e.unscoped.Load() }
+
+// UnscopedCalls is Unscoped for the policy stream's acknowledgement, which
+// reports it to the operator (policysync.UnscopedCounter).
+func (e *Engine) UnscopedCalls() uint64 { return e.Unscoped() }
+
+// unscopedCall reports whether a key derived from arguments would have no
+// scope: under Session scope a caller with neither session nor principal,
+// under Principal scope a caller with no principal. Such a key would be
+// shared by every anonymous caller, so two different agents would get one
+// execution between them.
+func unscopedCall(r *policy.Rule, c Caller) bool {
+	switch r.KeyScope {
+	case v1alpha1.ScopeGlobal:
+		return false
+	case v1alpha1.ScopePrincipal:
+		return c.Principal == ""
+	default:
+		return c.Principal == "" && c.Session == ""
+	}
+}
+
+// explicitScoped reports whether an explicit key has a scope: a caller
+// with neither principal nor session would share it with every other
+// anonymous caller, who could then read its result by guessing the key.
+func explicitScoped(r *policy.Rule, c Caller) bool {
+	_, ok := explicitScope(r, c)
+	return ok
+}
+
+func (e *Engine) countUnscoped(p *policy.Policy, r *policy.Rule, tool string) {
+	e.unscoped.Add(1)
+	e.metrics.Calls.WithLabelValues(OutcomeUnscoped).Inc()
+	e.unscopedOnce.Do(func() {
+		e.log.Warn("A call with no session and no principal was forwarded without deduplication: two anonymous callers must never share one execution. "+
+			"Send the "+p.PrincipalHeader+" header (or set principalHeader to a header your gateway sets), or choose keyScope: Global knowingly (an explicit idempotency key needs a principal or a session too); "+
+			"further such calls are only counted in idemcp_tool_calls_total{outcome=\"unscoped\"}",
+			"tool", tool, "keyScope", r.KeyScope)
+	})
+}
 
 // Plan is a tools/call the engine will deduplicate.
 type Plan struct {
@@ -119,23 +177,35 @@ type Plan struct {
 	Explicit    bool
 	Rule        *policy.Rule
 	Policy      *policy.Policy
+	// caller is who sent the call: the session a task it creates belongs
+	// to is named from it (sessionHash), only when a task is involved.
+	caller Caller
+	// Tenant is who the caller is for the bounds that keep one caller from
+	// starving the others (see engine.Tenant).
+	Tenant string
 }
 
 // Plan decides whether a tools/call is deduplicated. It returns nil (and no
-// error) for a call to forward untouched, and an *Error for a call to
-// refuse without forwarding (a bad explicit key, unparseable arguments).
+// error) for a call to forward untouched, counted as passthrough or
+// unscoped, and an *Error for a call to refuse without forwarding (a bad
+// explicit key, unparseable arguments).
 func (e *Engine) Plan(tc *ToolCall, c Caller) (*Plan, error) {
 	p := e.policy.Load()
 	rule := p.RuleFor(tc.Name)
 	if !e.deduplicates(rule, tc.Name) {
 		// A key on a call that is not deduplicated means nothing to us;
 		// the server gets the call exactly as sent.
+		e.CountPassthrough()
 		return nil, nil
 	}
 	explicit, err := ExplicitKey(c, tc.Meta)
 	if err != nil {
 		e.metrics.Calls.WithLabelValues(OutcomeRejected).Inc()
 		return nil, err
+	}
+	if explicit == "" && unscopedCall(rule, c) || explicit != "" && !explicitScoped(rule, c) {
+		e.countUnscoped(p, rule, tc.Name)
+		return nil, nil
 	}
 	fp, err := Fingerprint(tc.Name, tc.Arguments, rule.IgnoreArguments)
 	if err != nil {
@@ -149,6 +219,8 @@ func (e *Engine) Plan(tc *ToolCall, c Caller) (*Plan, error) {
 		Explicit:    explicit != "",
 		Rule:        rule,
 		Policy:      p,
+		caller:      c,
+		Tenant:      Tenant(c.Principal),
 	}, nil
 }
 
@@ -165,7 +237,19 @@ type Upstream struct {
 	// an error instead of running it again.
 	TooLarge bool
 	Size     int64
+	// Later, when set, says the outcome is pending: the client's response
+	// is over, but the call's own response comes later (a 2025-11-25 server
+	// that closed the stream after an event id, to be resumed). The engine
+	// answers the client, then calls Later once, detached, and settles with
+	// what it returns.
+	Later func(ctx context.Context) (Upstream, error)
 }
+
+// ErrOutcomeUnknown is returned by a Forward or a Later when the call may
+// have run but its response cannot be had: the claim is neither completed
+// nor released. It lapses at the end of its lease, and onAbandoned decides
+// what the next call with its key gets.
+var ErrOutcomeUnknown = errors.New("outcome unknown")
 
 // Forward sends the call upstream and relays whatever the server streams
 // back (progress, server-to-client requests, the response itself) to the
@@ -205,16 +289,18 @@ func (e *Engine) Execute(ctx context.Context, p *Plan, fwd Forward) (Outcome, er
 		Lease:       p.Policy.LeaseDuration,
 		Retention:   max(p.Rule.TTL, p.Policy.LeaseDuration),
 		TakeOver:    p.Rule.OnAbandoned != v1alpha1.AbandonedError,
+		Tenant:      p.Tenant,
 	}
-	waitCtx, cancel := context.WithTimeout(ctx, p.Policy.WaitTimeout)
-	defer cancel()
+	// The wait deadline starts at the first pending answer: most calls
+	// never wait, and need no timer.
+	var waitCtx context.Context
 	sawPending := false
 	for {
 		r, err := e.store.Reserve(ctx, claim)
 		if err != nil {
 			// The store may have applied the claim before the error: drop
 			// it, or nobody would own it until its lease runs out.
-			go e.releaseQuietly(p.Key, owner)
+			e.Go("release", func() { e.releaseQuietly(p.Key, owner) })
 			if ctx.Err() != nil {
 				return Outcome{}, ctx.Err()
 			}
@@ -224,6 +310,9 @@ func (e *Engine) Execute(ctx context.Context, p *Plan, fwd Forward) (Outcome, er
 			}
 			return e.storeUnavailable(ctx, p, fwd, err)
 		}
+		// Stores never take over a claim of other arguments (the store
+		// contract): an explicit key reused with them is refused, whether
+		// its first call completed, runs or was abandoned.
 		if r.State != store.Won && r.Fingerprint != p.Fingerprint {
 			e.metrics.Calls.WithLabelValues(OutcomeRejected).Inc()
 			return Outcome{}, &Error{Code: mcpmsg.CodeKeyConflict, Message: fmt.Sprintf(
@@ -237,20 +326,37 @@ func (e *Engine) Execute(ctx context.Context, p *Plan, fwd Forward) (Outcome, er
 			}
 			return e.run(ctx, p, owner, fwd)
 		case store.Completed:
+			session, resp := taskSession(r.Response)
+			if session != "" && session != sessionHash(p.caller) {
+				e.metrics.Calls.WithLabelValues(OutcomeRejected).Inc()
+				return Outcome{}, &Error{Code: mcpmsg.CodeTaskElsewhere, Message: fmt.Sprintf(
+					"the first call to %q with this key created a task in another MCP session, and a task can be read only in the session that created it; it is not run again. Read the task from that session, or use a new key to start a new one", p.Tool)}
+			}
 			e.metrics.Calls.WithLabelValues(OutcomeReplayed).Inc()
-			return Outcome{Kind: Replayed, Response: r.Response}, nil
+			return Outcome{Kind: Replayed, Response: resp}, nil
 		case store.Abandoned:
 			e.metrics.Calls.WithLabelValues(OutcomeRejected).Inc()
 			return Outcome{}, &Error{Code: mcpmsg.CodeOutcomeUnknown, Message: fmt.Sprintf(
 				"outcome unknown: the first call to %q with this key stopped mid-call (its sidecar died) and onAbandoned is Error, so it is not run again; check whether it took effect", p.Tool)}
 		case store.Pending:
+			if !sawPending {
+				var cancel context.CancelFunc
+				waitCtx, cancel = context.WithTimeout(ctx, p.Policy.WaitTimeout)
+				defer cancel()
+			}
 			sawPending = true
 			if p.Policy.InFlight == v1alpha1.InFlightReject {
 				e.metrics.Calls.WithLabelValues(OutcomeRejected).Inc()
 				return Outcome{}, &Error{Code: mcpmsg.CodeInFlight, Message: fmt.Sprintf(
 					"a call to %q with this key is still running; retry later to get its result", p.Tool)}
 			}
-			if err := e.store.Wait(waitCtx, p.Key); err != nil {
+			stopWaiting, over := e.waiters.acquire(p.Key, p.Tenant)
+			if over != "" {
+				return Outcome{}, e.tooManyWaiters(p, over)
+			}
+			err := e.store.Wait(waitCtx, p.Key)
+			stopWaiting()
+			if err != nil {
 				if ctx.Err() != nil {
 					return Outcome{}, ctx.Err()
 				}
@@ -287,8 +393,17 @@ func (e *Engine) storeUnavailable(ctx context.Context, p *Plan, fwd Forward, err
 	if p.Policy.OnStoreUnavailable == v1alpha1.FailOpen {
 		e.log.Warn("Store unavailable, forwarding without deduplication (FailOpen)", "tool", p.Tool, "err", err)
 		e.metrics.Calls.WithLabelValues(OutcomeFailedOpen).Inc()
-		if _, ferr := fwd(ctx); ferr != nil {
+		up, ferr := fwd(ctx)
+		if ferr != nil {
 			return Outcome{}, ferr
+		}
+		if up.Later != nil {
+			// Nothing is stored, but Later holds resources until it ends.
+			e.running.add()
+			go func() {
+				defer e.running.done()
+				_, _ = up.Later(context.WithoutCancel(ctx))
+			}()
 		}
 		return Outcome{Kind: ForwardedOpen}, nil
 	}
@@ -305,22 +420,46 @@ func (e *Engine) run(ctx context.Context, p *Plan, owner string, fwd Forward) (O
 	e.running.add()
 	go func() {
 		defer e.running.done()
+		answered := false
+		answer := func(err error) {
+			if !answered {
+				answered = true
+				done <- err
+			}
+		}
+		defer func() {
+			if v := recover(); v != nil {
+				// Whatever ran upstream, its outcome is unknown: the claim
+				// is neither stored nor released, its lease runs out (the
+				// deferred stopRenew below has already stopped renewing)
+				// and onAbandoned decides what a retry gets.
+				e.panicked("run", v)
+				e.log.Error("A call's outcome is unknown: its claim is kept until its lease runs out, then onAbandoned decides", "tool", p.Tool)
+				answer(&Error{Code: mcpmsg.CodeInternalError, Message: fmt.Sprintf(
+					"idemcp failed while relaying or storing the call to %q, so its outcome is unknown; a retry after leaseDuration (%s) is decided by onAbandoned", p.Tool, p.Policy.LeaseDuration)})
+			}
+		}()
 		runCtx := context.WithoutCancel(ctx)
 		stopRenew := e.renew(runCtx, p, owner)
 		defer stopRenew() // the lease lives until the result is stored
 		up, err := fwd(runCtx)
-		answer := func() { done <- err }
+		if err == nil && up.Later != nil {
+			// The client's part is over (it resumes on its own); the
+			// outcome comes later.
+			answer(nil)
+			up, err = up.Later(runCtx)
+		}
+		firstTried := func() { answer(err) }
 		if p.Policy.InFlight != v1alpha1.InFlightReject {
 			// The client has its response: answer it now and store after.
 			// A retry arriving meanwhile finds the claim pending and waits
 			// the moment it takes.
-			answer()
-			answer = func() {}
+			answer(err)
 		}
 		// Under Reject, a retry right after the answer must find the
 		// result, not a claim it would be refused for: answer once the
 		// first attempt to store is made.
-		e.settle(runCtx, p, owner, up, err, answer)
+		e.settle(runCtx, p, owner, up, err, firstTried)
 	}()
 	select {
 	case err := <-done:
@@ -333,6 +472,29 @@ func (e *Engine) run(ctx context.Context, p *Plan, owner string, fwd Forward) (O
 		e.metrics.Calls.WithLabelValues(OutcomeExecuted).Inc()
 		return Outcome{}, ErrDetached
 	}
+}
+
+// Recover stops a panic from ending the process when deferred at the top
+// of a goroutine that handles a call: no input from a client or a server
+// may. It logs the panic with its stack and counts it in
+// idemcp_panics_total{where}.
+func (e *Engine) Recover(where string) {
+	if v := recover(); v != nil {
+		e.panicked(where, v)
+	}
+}
+
+// Go runs fn on a new goroutine that recovers from a panic (see Recover).
+func (e *Engine) Go(where string, fn func()) {
+	go func() {
+		defer e.Recover(where)
+		fn()
+	}()
+}
+
+func (e *Engine) panicked(where string, v any) {
+	e.metrics.Panics.WithLabelValues(where).Inc()
+	e.log.Error("Recovered from a panic; the sidecar goes on", "where", where, "panic", fmt.Sprint(v), "stack", string(debug.Stack()))
 }
 
 // Track counts work a transport runs on its own goroutine for a call (a
@@ -394,29 +556,59 @@ func (a *activity) idle() <-chan struct{} {
 	return a.zero
 }
 
+// Renewal retries: a renewal that fails is tried again soon, backing off
+// up to renewRetryMax, rather than a whole lease/3 later, since the lease
+// may run out meanwhile and a retry take the claim over.
+var (
+	renewRetryMin = 25 * time.Millisecond
+	renewRetryMax = time.Second
+)
+
 // renew keeps the claim's lease alive while the upstream call runs.
 func (e *Engine) renew(ctx context.Context, p *Plan, owner string) (stop func()) {
 	ctx, cancel := context.WithCancel(ctx)
 	lease := p.Policy.LeaseDuration
-	go func() {
-		t := time.NewTicker(lease / 3)
+	every := lease / 3
+	e.Go("renew", func() {
+		t := time.NewTimer(every)
 		defer t.Stop()
+		leaseEnd := time.Now().Add(lease)
+		backoff := time.Duration(0)
 		for {
 			select {
 			case <-ctx.Done():
 				return
 			case <-t.C:
-				err := e.store.Renew(ctx, p.Key, owner, lease)
-				if errors.Is(err, store.ErrNotOwner) {
-					e.log.Error("Lost the claim while the call runs: another caller took it over", "tool", p.Tool, "key", p.Key)
-					return
+			}
+			start := time.Now()
+			opCtx, opCancel := context.WithTimeout(ctx, every)
+			err := e.store.Renew(opCtx, p.Key, owner, lease)
+			opCancel()
+			switch {
+			case err == nil:
+				leaseEnd, backoff = start.Add(lease), 0
+				t.Reset(every)
+			case errors.Is(err, store.ErrNotOwner):
+				e.log.Error("Lost the claim while the call runs: another caller took it over", "tool", p.Tool, "key", p.Key)
+				return
+			case ctx.Err() != nil:
+				return
+			default:
+				e.metrics.StoreErrors.WithLabelValues("renew").Inc()
+				backoff = min(max(2*backoff, renewRetryMin), renewRetryMax)
+				next := backoff
+				if left := time.Until(leaseEnd); left <= 0 {
+					// The lease has run out: another caller may take the
+					// claim over now; keep trying at the usual pace, since a
+					// renewal still succeeds if nobody has.
+					next = every
+				} else if next > left {
+					next = max(left/2, renewRetryMin)
 				}
-				if err != nil && ctx.Err() == nil {
-					e.metrics.StoreErrors.WithLabelValues("renew").Inc()
-				}
+				t.Reset(next)
 			}
 		}
-	}()
+	})
 	return cancel
 }
 
@@ -428,10 +620,20 @@ const (
 	ReasonToolError     = "tool_error"
 	ReasonInputRequired = "input_required"
 	ReasonTooLarge      = "too_large"
+	// ReasonOutcomeUnknown: the response could not be had; the claim lapses.
+	ReasonOutcomeUnknown = "outcome_unknown"
 )
 
 // settle stores a success or releases the key so a genuine retry retries.
 func (e *Engine) settle(ctx context.Context, p *Plan, owner string, up Upstream, err error, firstTried func()) {
+	if errors.Is(err, ErrOutcomeUnknown) {
+		// Neither complete nor release: the claim lapses with its lease,
+		// and onAbandoned decides whether the next call runs.
+		e.metrics.NotStored.WithLabelValues(ReasonOutcomeUnknown).Inc()
+		e.log.Warn("Outcome unknown: the call's claim is left to lapse and onAbandoned decides", "tool", p.Tool, "err", err)
+		firstTried()
+		return
+	}
 	reason := ""
 	var stored []byte
 	switch {
@@ -506,62 +708,6 @@ func (e *Engine) storeWriteFailed(op string, p *Plan, err error) {
 	e.metrics.StoreErrors.WithLabelValues(op).Inc()
 	e.log.Error("Store write failed after the call ran", "tool", p.Tool, "op", op, "err", err)
 }
-
-// replayable returns what to store for a response, or why it is not kept.
-// What is stored is the response without its id and with
-// result._meta["idemcp.io/replayed"] set, so a replay only splices an id in.
-func (e *Engine) replayable(p *Plan, resp []byte) ([]byte, string) {
-	var m struct {
-		Result json.RawMessage `json:"result"`
-		Error  json.RawMessage `json:"error"`
-	}
-	if err := json.Unmarshal(resp, &m); err != nil || (len(m.Error) == 0 && len(m.Result) == 0) {
-		return nil, ReasonTransport
-	}
-	tooLarge := int64(len(resp)) > p.Policy.MaxResultBytes
-	if len(m.Error) > 0 && string(m.Error) != "null" {
-		return nil, ReasonRPCError
-	}
-	var kind struct {
-		ResultType string `json:"resultType"`
-		IsError    bool   `json:"isError"`
-	}
-	if err := json.Unmarshal(m.Result, &kind); err != nil {
-		return nil, ReasonTransport
-	}
-	if kind.ResultType == "input_required" {
-		return nil, ReasonInputRequired
-	}
-	if kind.IsError && !p.Rule.CacheToolErrors {
-		return nil, ReasonToolError
-	}
-	if tooLarge {
-		// Keep a marker, not the result: a retry learns the call ran
-		// instead of running it a second time.
-		return tooLargeMarker(p, len(resp)), ReasonTooLarge
-	}
-	var res map[string]json.RawMessage
-	if err := json.Unmarshal(m.Result, &res); err != nil {
-		return nil, ReasonTransport
-	}
-	meta := map[string]json.RawMessage{}
-	if raw, ok := res["_meta"]; ok {
-		_ = json.Unmarshal(raw, &meta)
-	}
-	meta[ReplayedMeta] = json.RawMessage("true")
-	res["_meta"], _ = json.Marshal(meta)
-	result, err := json.Marshal(res)
-	if err != nil {
-		return nil, ReasonTransport
-	}
-	out := make([]byte, 0, len(result)+32)
-	out = append(out, `{"jsonrpc":"2.0","result":`...)
-	out = append(out, result...)
-	return append(out, '}'), ""
-}
-
-// ReplayedMeta is the result._meta member set on every replayed response.
-const ReplayedMeta = "idemcp.io/replayed"
 
 func tooLargeMarker(p *Plan, size int) []byte {
 	msg := fmt.Sprintf("the first call to %q with this key completed, but its result (%d bytes) was over maxResultBytes (%d) and was not kept; it is not run again", p.Tool, size, p.Policy.MaxResultBytes)

@@ -11,8 +11,8 @@ import (
 	"time"
 
 	"github.com/idemcp/idemcp/api/v1alpha1"
+	"github.com/idemcp/idemcp/internal/policy"
 	"github.com/idemcp/idemcp/sidecar/mcpmsg"
-	"github.com/idemcp/idemcp/sidecar/policy"
 	"github.com/idemcp/idemcp/sidecar/store"
 )
 
@@ -135,14 +135,14 @@ func TestPlanPassthrough(t *testing.T) {
 	e.Hints().ObserveListResult(json.RawMessage(`{"tools":[{"name":"read","annotations":{"readOnlyHint":true}},{"name":"write","annotations":{"readOnlyHint":false}}]}`))
 	for tool, want := range map[string]bool{"get_x": false, "read": false, "write": true, "unknown": true} {
 		tc, _ := ParseToolCall(json.RawMessage(fmt.Sprintf(`{"name":%q}`, tool)))
-		p, err := e.Plan(tc, Caller{})
+		p, err := e.Plan(tc, alice)
 		if err != nil || (p != nil) != want {
 			t.Errorf("Plan(%s) deduplicates = %v (%v), want %v", tool, p != nil, err, want)
 		}
 	}
 	// A bad key on a call that is not deduplicated is not our business.
 	tc, _ := ParseToolCall(json.RawMessage(`{"name":"get_x","_meta":{"idempotency-key":""}}`))
-	if p, err := e.Plan(tc, Caller{}); p != nil || err != nil {
+	if p, err := e.Plan(tc, alice); p != nil || err != nil {
 		t.Errorf("Plan(passthrough with bad key) = %v, %v", p, err)
 	}
 }
@@ -151,8 +151,8 @@ func TestParseToolCallErrors(t *testing.T) {
 	for params, want := range map[string]string{
 		``:                    "has no params",
 		`{"arguments":{}}`:    "params.name is missing",
-		`{"name":7}`:          "not an object with a string name",
-		`[1]`:                 "not an object",
+		`{"name":7}`:          "params.name must be a string",
+		`[1]`:                 "must be a JSON object",
 		`{"name":"", "x": 1}`: "params.name is missing",
 	} {
 		_, err := ParseToolCall(json.RawMessage(params))
@@ -189,7 +189,7 @@ func TestSettleDecisions(t *testing.T) {
 			}
 			e := New(Options{Policy: mustPolicy(t, yaml), Store: store.NewMemory(0)})
 			tc, _ := ParseToolCall(json.RawMessage(`{"name":"t"}`))
-			p, _ := e.Plan(tc, Caller{})
+			p, _ := e.Plan(tc, alice)
 			fwd := func(context.Context) (Upstream, error) {
 				var r []byte
 				if tt.resp != "" {
@@ -227,7 +227,7 @@ func TestStoreUnavailable(t *testing.T) {
 	for _, mode := range []v1alpha1.StoreUnavailableAction{v1alpha1.FailClosed, v1alpha1.FailOpen} {
 		e := New(Options{Policy: mustPolicy(t, "spec: {defaultMode: Deduplicate, onStoreUnavailable: "+string(mode)+"}"), Store: downStore{}})
 		tc, _ := ParseToolCall(json.RawMessage(`{"name":"t"}`))
-		p, _ := e.Plan(tc, Caller{})
+		p, _ := e.Plan(tc, alice)
 		ran := 0
 		out, err := e.Execute(context.Background(), p, func(context.Context) (Upstream, error) {
 			ran++
@@ -286,7 +286,7 @@ func TestWaitErrorNeverForwardsADuplicate(t *testing.T) {
 	fs := &flakyStore{Memory: store.NewMemory(0), failWait: true}
 	e := New(Options{Policy: mustPolicy(t, "spec: {defaultMode: Deduplicate, onStoreUnavailable: FailOpen}"), Store: fs})
 	tc, _ := ParseToolCall(json.RawMessage(`{"name":"t"}`))
-	p, _ := e.Plan(tc, Caller{})
+	p, _ := e.Plan(tc, alice)
 	release := make(chan struct{})
 	var ran atomic.Int32
 	fwd := func(context.Context) (Upstream, error) {
@@ -313,7 +313,7 @@ func TestCompleteIsRetried(t *testing.T) {
 	fs.failComplete.Store(2)
 	e := New(Options{Policy: mustPolicy(t, "spec: {defaultMode: Deduplicate}"), Store: fs})
 	tc, _ := ParseToolCall(json.RawMessage(`{"name":"t"}`))
-	p, _ := e.Plan(tc, Caller{})
+	p, _ := e.Plan(tc, alice)
 	ran := 0
 	fwd := func(context.Context) (Upstream, error) {
 		ran++
@@ -332,7 +332,7 @@ func TestCompleteIsRetried(t *testing.T) {
 func TestTooLargeUpstreamIsNotRunAgain(t *testing.T) {
 	e := New(Options{Policy: mustPolicy(t, "spec: {defaultMode: Deduplicate}"), Store: store.NewMemory(0)})
 	tc, _ := ParseToolCall(json.RawMessage(`{"name":"t"}`))
-	p, _ := e.Plan(tc, Caller{})
+	p, _ := e.Plan(tc, alice)
 	ran := 0
 	fwd := func(context.Context) (Upstream, error) {
 		ran++
@@ -346,3 +346,62 @@ func TestTooLargeUpstreamIsNotRunAgain(t *testing.T) {
 		t.Fatalf("retry: %v %s %v, ran %d; want the not-stored error replayed, 1 run", out.Kind, out.Response, err, ran)
 	}
 }
+
+// TestPendingOutcome: a Forward whose outcome comes Later answers its
+// caller at once; duplicates wait for what Later brings; and an outcome
+// that cannot be had (ErrOutcomeUnknown) is neither stored nor released, so
+// the claim lapses and onAbandoned decides.
+func TestPendingOutcome(t *testing.T) {
+	e := New(Options{Policy: mustPolicy(t, "spec: {defaultMode: Deduplicate, keyScope: Global, leaseDuration: 1s, waitTimeout: 5s, onAbandoned: Error}"), Store: store.NewMemory(0)})
+	plan := func(args string) *Plan {
+		tc, _ := ParseToolCall(json.RawMessage(`{"name":"t","arguments":` + args + `}`))
+		p, err := e.Plan(tc, Caller{})
+		if err != nil || p == nil {
+			t.Fatalf("Plan: %v, %v", p, err)
+		}
+		return p
+	}
+	var ran atomic.Int32
+	pending := func(later func(context.Context) (Upstream, error)) Forward {
+		return func(context.Context) (Upstream, error) {
+			ran.Add(1)
+			return Upstream{Status: 200, Later: later}, nil
+		}
+	}
+
+	p := plan(`{"a":1}`)
+	start := time.Now()
+	out, err := e.Execute(context.Background(), p, pending(func(context.Context) (Upstream, error) {
+		time.Sleep(300 * time.Millisecond)
+		return Upstream{Status: 200, Response: []byte(`{"jsonrpc":"2.0","id":1,"result":{"content":[]}}`)}, nil
+	}))
+	if err != nil || out.Kind != Executed || time.Since(start) > 200*time.Millisecond {
+		t.Fatalf("first call: %v, %v after %s; want Executed at once", out.Kind, err, time.Since(start))
+	}
+	out, err = e.Execute(context.Background(), p, pending(nil))
+	if err != nil || out.Kind != Replayed {
+		t.Fatalf("duplicate: %v, %v; want the response Later brought, replayed", out.Kind, err)
+	}
+
+	p = plan(`{"a":2}`)
+	if _, err := e.Execute(context.Background(), p, pending(func(context.Context) (Upstream, error) {
+		return Upstream{}, fmt.Errorf("%w: gone", ErrOutcomeUnknown)
+	})); err != nil {
+		t.Fatal(err)
+	}
+	_, err = e.Execute(context.Background(), p, pending(nil))
+	var ee *Error
+	if !errors.As(err, &ee) || ee.Code != mcpmsg.CodeOutcomeUnknown {
+		t.Fatalf("retry after an unknown outcome: %v; want outcome unknown (onAbandoned: Error)", err)
+	}
+	if n := ran.Load(); n != 2 {
+		t.Fatalf("the tool ran %d times, want 2 (once per call)", n)
+	}
+	if err := e.Drain(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// alice is a caller with a principal and no session, as on a stateless
+// server: her derived keys have a scope.
+var alice = Caller{Principal: "Bearer alice"}

@@ -18,7 +18,9 @@ const CancelGrace = time.Minute
 // CancelKey names a call in an InFlight set: a hash of who sent it (parts
 // such as the principal and session) and its request id, so a client-chosen
 // id of any length costs a fixed 32 bytes and never matches another
-// caller's call.
+// caller's call. A transport that cannot tell who sent a call (no session,
+// no principal) uses NoCancelKey instead: such a caller has nothing to
+// match, since its cancel might be another anonymous caller's.
 func CancelKey(id json.RawMessage, parts ...string) string {
 	h := sha256.New()
 	for _, p := range parts {
@@ -28,6 +30,10 @@ func CancelKey(id json.RawMessage, parts ...string) string {
 	h.Write([]byte(mcpmsg.IDKey(id)))
 	return string(h.Sum(nil))
 }
+
+// NoCancelKey is the key of a call whose caller is unknown: an InFlight
+// never remembers it, so no cancel is ever taken for it.
+const NoCancelKey = ""
 
 // InFlight remembers the deduplicated calls of a transport by request id
 // while they are referenced, and for CancelGrace after their last release,
@@ -59,6 +65,9 @@ func NewInFlight[V any](grace time.Duration) *InFlight[V] {
 // Start registers a call with one reference. It returns nil when a call
 // with this id is still referenced (a client reusing an id in flight).
 func (s *InFlight[V]) Start(key string, v V) *Call[V] {
+	if key == NoCancelKey {
+		return &Call[V]{Value: v, refs: 1}
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.expireLocked()
@@ -76,6 +85,9 @@ func (s *InFlight[V]) Start(key string, v V) *Call[V] {
 // Acquire adds a reference to the call registered under key, or registers
 // a new one with v.
 func (s *InFlight[V]) Acquire(key string, v V) *Call[V] {
+	if key == NoCancelKey {
+		return &Call[V]{Value: v, refs: 1}
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.expireLocked()
@@ -118,6 +130,9 @@ func (s *InFlight[V]) Release(c *Call[V]) {
 // Get returns the call registered under key if it is referenced or was
 // released less than the grace period ago.
 func (s *InFlight[V]) Get(key string) (*Call[V], bool) {
+	if key == NoCancelKey {
+		return nil, false
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.expireLocked()

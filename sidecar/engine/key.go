@@ -7,14 +7,14 @@ import (
 	"fmt"
 
 	"github.com/idemcp/idemcp/api/v1alpha1"
+	"github.com/idemcp/idemcp/internal/policy"
 	"github.com/idemcp/idemcp/sidecar/canonical"
 	"github.com/idemcp/idemcp/sidecar/mcpmsg"
-	"github.com/idemcp/idemcp/sidecar/policy"
 )
 
 // MetaKeys are the params._meta members that carry an explicit idempotency
 // key, in the order they are checked (after the Idempotency-Key header).
-var MetaKeys = []string{"idemcp.io/idempotency-key", "idempotency-key", "idempotencyKey"}
+var MetaKeys = mcpmsg.ExplicitKeyMembers
 
 // MaxKeyLength is the longest explicit key accepted.
 const MaxKeyLength = 255
@@ -22,25 +22,26 @@ const MaxKeyLength = 255
 // ToolCall is the part of a tools/call request the engine reads. Everything
 // else in params (_meta, task, inputResponses, requestState) is neither part
 // of the key nor of the fingerprint.
-type ToolCall struct {
-	Name      string                     `json:"name"`
-	Arguments json.RawMessage            `json:"arguments,omitempty"`
-	Meta      map[string]json.RawMessage `json:"_meta,omitempty"`
+type ToolCall = mcpmsg.ToolCall
+
+// ParseToolCall decodes the params of a tools/call request strictly, with
+// the decoder every transport uses (mcpmsg.DecodeToolCall): exact member
+// names, no duplicates, an I-JSON tool name.
+func ParseToolCall(params json.RawMessage) (*ToolCall, error) {
+	tc, err := mcpmsg.DecodeToolCall(params)
+	if err != nil {
+		return nil, invalidParams(err.Error())
+	}
+	return tc, nil
 }
 
-// ParseToolCall decodes the params of a tools/call request.
-func ParseToolCall(params json.RawMessage) (*ToolCall, error) {
-	var tc ToolCall
-	if len(params) == 0 {
-		return nil, invalidParams("tools/call has no params; it needs params.name")
+// CallOf returns the tool call of a tools/call message, as mcpmsg.Parse
+// already decoded it (or decoding it now for a message built otherwise).
+func CallOf(msg *mcpmsg.Message) (*ToolCall, error) {
+	if msg.Call != nil {
+		return msg.Call, nil
 	}
-	if err := json.Unmarshal(params, &tc); err != nil {
-		return nil, invalidParams(fmt.Sprintf("tools/call params are not an object with a string name: %v", err))
-	}
-	if tc.Name == "" {
-		return nil, invalidParams("tools/call params.name is missing or empty: name the tool to call")
-	}
-	return &tc, nil
+	return ParseToolCall(msg.Params)
 }
 
 // Caller is who sent a call, as the transport saw it.
@@ -53,6 +54,11 @@ type Caller struct {
 	// Session is the Mcp-Session-Id, or a run id for stdio; "" when the
 	// server is stateless.
 	Session string
+	// Local marks the one user of a local stdio wrapper: with no principal,
+	// its explicit keys are still its own across runs (and machines sharing
+	// a Redis), as `idemcp wrap` documents. A network caller with no
+	// principal never has that: its explicit keys are its session's.
+	Local bool
 }
 
 // ExplicitKey returns the caller's explicit key, checked in the documented
@@ -96,61 +102,88 @@ func invalidParams(msg string) *Error {
 // with the rule's ignored pointers removed. Absent and null arguments are
 // the empty object.
 func Fingerprint(tool string, args json.RawMessage, ignore []canonical.Pointer) (string, error) {
-	h := sha256.New()
-	h.Write([]byte(tool))
-	h.Write([]byte{0})
-	var canon []byte
+	// One buffer, hashed at once: tool, a NUL, the canonical arguments.
+	buf := make([]byte, 0, len(tool)+1+max(len(args), 2))
+	buf = append(append(buf, tool...), 0)
 	if len(args) == 0 || string(args) == "null" {
-		canon = []byte("{}")
+		buf = append(buf, "{}"...)
 	} else {
-		v, err := canonical.Decode(args)
+		v, err := canonical.DecodeShared(args) // hashed before this returns
 		if err != nil {
 			return "", invalidParams(fmt.Sprintf("tools/call params.arguments is not valid JSON: %v", err))
 		}
 		for _, p := range ignore {
 			v = p.Remove(v)
 		}
-		if canon, err = canonical.Append(make([]byte, 0, len(args)), v); err != nil {
+		if v == nil {
+			v = map[string]any{} // null however it is spaced: no arguments, as when absent
+		}
+		if buf, err = canonical.Append(buf, v); err != nil {
 			return "", invalidParams(fmt.Sprintf("tools/call params.arguments: %v", err))
 		}
 	}
-	h.Write(canon)
-	return hex.EncodeToString(h.Sum(nil)), nil
+	return hexSum(buf), nil
+}
+
+// hexSum is the hex sha256 of b.
+func hexSum(b []byte) string {
+	sum := sha256.Sum256(b)
+	var out [2 * sha256.Size]byte
+	hex.Encode(out[:], sum[:])
+	return string(out[:])
+}
+
+// explicitScope says what an explicit key is scoped to: the caller's
+// principal; without one, its session (another anonymous caller using the
+// same key runs its own call and never sees this result); with neither,
+// nothing, and the call is unscoped. Under keyScope: Global, chosen
+// knowingly, and for a local wrapper's user, anonymous callers share keys.
+func explicitScope(rule *policy.Rule, c Caller) (scope string, ok bool) {
+	switch {
+	case c.Principal != "" || c.Local || rule.KeyScope == v1alpha1.ScopeGlobal:
+		principal := sha256.Sum256([]byte(c.Principal))
+		return "explicit\x00" + string(principal[:]), true
+	case c.Session != "":
+		return "explicit-session\x00" + c.Session, true
+	}
+	return "", false
 }
 
 // deriveKey returns the store key for a call: only hashes, never the raw
-// arguments or the raw explicit key.
+// arguments or the raw explicit key. An explicit key must have a scope
+// (Plan checks explicitScope first).
 func deriveKey(rule *policy.Rule, c Caller, explicit, fingerprint string) string {
-	principal := sha256.Sum256([]byte(c.Principal))
-	h := sha256.New()
+	h := make([]byte, 0, 256)
 	if explicit != "" {
 		// Explicit keys are always the caller's own: another principal
-		// using the same key runs anew and never sees this result.
-		h.Write([]byte("explicit\x00"))
-		h.Write(principal[:])
-		h.Write([]byte{0})
-		h.Write([]byte(explicit))
-		return hex.EncodeToString(h.Sum(nil))
+		// (or, for anonymous callers, another session) using the same key
+		// runs anew and never sees this result.
+		scope, _ := explicitScope(rule, c)
+		h = append(h, scope...)
+		h = append(h, 0)
+		h = append(h, explicit...)
+		return hexSum(h)
 	}
+	principal := sha256.Sum256([]byte(c.Principal))
 	switch rule.KeyScope {
 	case v1alpha1.ScopeGlobal:
-		h.Write([]byte("global\x00"))
+		h = append(h, "global\x00"...)
 	case v1alpha1.ScopePrincipal:
-		h.Write([]byte("principal\x00"))
-		h.Write(principal[:])
+		h = append(h, "principal\x00"...)
+		h = append(h, principal[:]...)
 	default:
 		if c.Session == "" {
 			// A stateless server has no sessions: the principal alone.
-			h.Write([]byte("principal\x00"))
-			h.Write(principal[:])
+			h = append(h, "principal\x00"...)
+			h = append(h, principal[:]...)
 		} else {
-			h.Write([]byte("session\x00"))
-			h.Write(principal[:])
-			h.Write([]byte{0})
-			h.Write([]byte(c.Session))
+			h = append(h, "session\x00"...)
+			h = append(h, principal[:]...)
+			h = append(h, 0)
+			h = append(h, c.Session...)
 		}
 	}
-	h.Write([]byte{0})
-	h.Write([]byte(fingerprint))
-	return hex.EncodeToString(h.Sum(nil))
+	h = append(h, 0)
+	h = append(h, fingerprint...)
+	return hexSum(h)
 }

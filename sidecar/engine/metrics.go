@@ -8,6 +8,8 @@ type Metrics struct {
 	NotStored   *prometheus.CounterVec
 	StoreErrors *prometheus.CounterVec
 	TakeOvers   prometheus.Counter
+	Panics      *prometheus.CounterVec
+	OverLimit   *prometheus.CounterVec
 }
 
 // Outcome labels of idemcp_tool_calls_total.
@@ -17,6 +19,9 @@ const (
 	OutcomePassthrough = "passthrough"
 	OutcomeRejected    = "rejected"
 	OutcomeFailedOpen  = "failed_open"
+	// OutcomeUnscoped is a call forwarded without deduplication because its
+	// derived key would have had no scope (no session, no principal).
+	OutcomeUnscoped = "unscoped"
 )
 
 // NewMetrics registers the engine's series with reg (nil: not registered).
@@ -24,7 +29,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 	m := &Metrics{
 		Calls: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "idemcp_tool_calls_total",
-			Help: "tools/call requests by outcome: executed, replayed, passthrough, rejected (an idemcp error) or failed_open.",
+			Help: "tools/call requests by outcome: executed, replayed, passthrough, rejected (an idemcp error), failed_open or unscoped (no session or principal to scope a derived key).",
 		}, []string{"outcome"}),
 		NotStored: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "idemcp_results_not_stored_total",
@@ -38,9 +43,17 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name: "idemcp_claims_taken_over_total",
 			Help: "Claims whose owner died mid-call and that another call took over (onAbandoned: Retry).",
 		}),
+		Panics: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "idemcp_panics_total",
+			Help: "Panics recovered while handling a call, by where they happened; the process went on.",
+		}, []string{"where"}),
+		OverLimit: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "idemcp_over_limit_total",
+			Help: "Requests refused because a caller, or all callers together, was over a bound: waiters_per_key, waiters_per_principal, streams_per_principal, streams_total.",
+		}, []string{"limit"}),
 	}
 	if reg != nil {
-		reg.MustRegister(m.Calls, m.NotStored, m.StoreErrors, m.TakeOvers)
+		reg.MustRegister(m.Calls, m.NotStored, m.StoreErrors, m.TakeOvers, m.Panics, m.OverLimit)
 	}
 	return m
 }

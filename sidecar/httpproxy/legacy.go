@@ -6,10 +6,13 @@ package httpproxy
 // POST's response (202 Accepted).
 //
 // Nothing needs configuring: a GET that asks for an event stream and
-// carries no Mcp-Session-Id is relayed here event by event, and if its
-// first event is "endpoint", the stream is a legacy session, remembered by
-// the endpoint's path and query. A POST to a remembered endpoint is a
-// legacy message; every other request is Streamable HTTP. For a
+// carries no Mcp-Session-Id is relayed here event by event, and its first
+// "endpoint" event (whatever comes before it) makes the stream a legacy
+// session, remembered by the endpoint's path and query. A POST to a
+// remembered endpoint is a legacy message; every other request is
+// Streamable HTTP. A server that gives two live sessions the same endpoint
+// leaves no way to tell whose a POST is: while it does, that endpoint's
+// calls are forwarded without dedup, and the sidecar says so. For a
 // deduplicated tools/call the client's POST is answered 202 at once; the
 // call goes upstream and its response is matched by id on the session's
 // stream (still relayed to the client) and handed to the engine. Replays
@@ -19,9 +22,9 @@ package httpproxy
 // leaves mid-call does not lose the result its retry will ask for.
 
 import (
-	"bufio"
 	"bytes"
 	"context"
+	"crypto/rand"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -47,36 +50,55 @@ const maxLegacyWatches = 1024
 type legacyHub struct {
 	n        atomic.Int64 // len(sessions), read without the lock
 	mu       sync.Mutex
-	sessions map[string]*legacySession
+	sessions map[string][]*legacySession // live sessions by endpoint, oldest first
+	shared   func(endpoint string)       // called when a second live session gets an endpoint
 }
 
 func (h *legacyHub) add(s *legacySession) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	if h.sessions == nil {
-		h.sessions = make(map[string]*legacySession)
+		h.sessions = make(map[string][]*legacySession)
 	}
-	h.sessions[s.endpoint] = s
+	h.sessions[s.endpoint] = append(h.sessions[s.endpoint], s)
 	h.n.Store(int64(len(h.sessions)))
+	if len(h.sessions[s.endpoint]) == 2 && h.shared != nil {
+		h.shared(s.endpoint)
+	}
 }
 
 func (h *legacyHub) remove(s *legacySession) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	if h.sessions[s.endpoint] == s {
+	live := h.sessions[s.endpoint]
+	for i, o := range live {
+		if o == s {
+			live = append(live[:i:i], live[i+1:]...)
+			break
+		}
+	}
+	if len(live) == 0 {
 		delete(h.sessions, s.endpoint)
+	} else {
+		h.sessions[s.endpoint] = live
 	}
 	h.n.Store(int64(len(h.sessions)))
 }
 
-func (h *legacyHub) lookup(u *url.URL) *legacySession {
+// lookup returns the session a POST to u belongs to, and whether more
+// than one live session has that endpoint, so that it cannot be told.
+func (h *legacyHub) lookup(u *url.URL) (*legacySession, bool) {
 	if h.n.Load() == 0 {
-		return nil
+		return nil, false
 	}
 	key := requestKey(u)
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	return h.sessions[key]
+	live := h.sessions[key]
+	if len(live) == 0 {
+		return nil, false
+	}
+	return live[0], len(live) > 1
 }
 
 // requestKey is how a request's URL is matched against endpoints.
@@ -89,6 +111,7 @@ func requestKey(u *url.URL) string {
 
 // legacySession is one client's legacy event stream.
 type legacySession struct {
+	id        string          // the sidecar's own name for the session: its dedup scope
 	endpoint  string          // the path and query the client POSTs to
 	principal string          // the GET's principal header, for POSTs without one
 	client    context.Context // the client's GET: done when it leaves
@@ -100,13 +123,12 @@ type legacySession struct {
 	closed bool // the handler returned: w must not be touched
 
 	mu       sync.Mutex
-	waiters  map[string]chan []byte // response ids awaited by deduplicated calls
-	lists    map[string]struct{}    // tools/list ids whose responses teach hints
-	holds    int                    // deduplicated calls awaiting a response
-	left     bool                   // the client's GET ended
-	stopping bool                   // the upstream stream is being closed
-	tooLarge bool                   // the stream ended on an oversized event
-	ended    bool                   // the upstream stream ended
+	waiters  map[string]chan legacyResponse // response ids awaited by deduplicated calls
+	lists    map[string]struct{}            // tools/list ids whose responses teach hints
+	holds    int                            // deduplicated calls awaiting a response
+	left     bool                           // the client's GET ended
+	stopping bool                           // the upstream stream is being closed
+	ended    bool                           // the upstream stream ended
 	endedCh  chan struct{}
 	cancelUp context.CancelFunc // ends the upstream stream
 }
@@ -149,18 +171,17 @@ func (s *legacySession) clientLeft() {
 	}
 }
 
-// markTooLarge records that the stream ended on an event over the relay
-// buffer.
-func (s *legacySession) markTooLarge() {
-	s.mu.Lock()
-	s.tooLarge = true
-	s.mu.Unlock()
+// Write lets the session be the io.Writer an event is relayed to.
+func (s *legacySession) Write(b []byte) (int, error) {
+	s.write(b)
+	return len(b), nil
 }
 
-func (s *legacySession) oversized() bool {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.tooLarge
+// legacyResponse is a response seen on the stream: its data, or the size
+// of one too large to keep.
+type legacyResponse struct {
+	data     []byte
+	tooLarge int64
 }
 
 // stopUpstream closes the upstream stream; s.mu is held.
@@ -190,7 +211,7 @@ func (s *legacySession) end() {
 // await registers a deduplicated call waiting for the response with id,
 // and keeps the upstream stream open until unawait. It fails if the
 // stream has already ended.
-func (s *legacySession) await(id json.RawMessage) (chan []byte, bool) {
+func (s *legacySession) await(id json.RawMessage) (chan legacyResponse, bool) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.ended || s.stopping {
@@ -199,15 +220,15 @@ func (s *legacySession) await(id json.RawMessage) (chan []byte, bool) {
 		return nil, false
 	}
 	if s.waiters == nil {
-		s.waiters = make(map[string]chan []byte)
+		s.waiters = make(map[string]chan legacyResponse)
 	}
-	ch := make(chan []byte, 1)
+	ch := make(chan legacyResponse, 1)
 	s.waiters[mcpmsg.IDKey(id)] = ch
 	s.holds++
 	return ch, true
 }
 
-func (s *legacySession) unawait(id json.RawMessage, ch chan []byte) {
+func (s *legacySession) unawait(id json.RawMessage, ch chan legacyResponse) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	k := mcpmsg.IDKey(id)
@@ -237,15 +258,32 @@ func (s *legacySession) dispatch(data []byte, observe func([]byte)) {
 	if len(data) == 0 || data[0] != '{' {
 		return
 	}
-	var m struct {
-		ID     json.RawMessage `json:"id"`
-		Method string          `json:"method"`
-	}
-	if json.Unmarshal(data, &m) != nil || m.Method != "" || len(m.ID) == 0 {
+	m, err := mcpmsg.Parse(data)
+	if err != nil || m.Method != "" || len(m.ID) == 0 {
 		return
 	}
-	k := mcpmsg.IDKey(m.ID)
+	ch, listed := s.claim(m.ID)
+	if ch != nil {
+		ch <- legacyResponse{data: bytes.Clone(data)}
+	}
+	if listed {
+		observe(data)
+	}
+}
+
+// dispatchTooLarge hands the call waiting for id the news that its
+// response was relayed but was too large to keep: it ran.
+func (s *legacySession) dispatchTooLarge(id json.RawMessage, size int64) {
+	if ch, _ := s.claim(id); ch != nil {
+		ch <- legacyResponse{tooLarge: size}
+	}
+}
+
+// claim takes the waiter and the tools/list watch of a response id.
+func (s *legacySession) claim(id json.RawMessage) (chan legacyResponse, bool) {
+	k := mcpmsg.IDKey(id)
 	s.mu.Lock()
+	defer s.mu.Unlock()
 	ch, waiting := s.waiters[k]
 	if waiting {
 		delete(s.waiters, k)
@@ -254,13 +292,7 @@ func (s *legacySession) dispatch(data []byte, observe func([]byte)) {
 	if listed {
 		delete(s.lists, k)
 	}
-	s.mu.Unlock()
-	if waiting {
-		ch <- bytes.Clone(data)
-	}
-	if listed {
-		observe(data)
-	}
+	return ch, listed
 }
 
 // serveLegacy takes the requests that may belong to legacy sessions: GETs
@@ -275,9 +307,13 @@ func (p *Proxy) serveLegacy(w http.ResponseWriter, r *http.Request) bool {
 		p.serveEventStream(w, r)
 		return true
 	case http.MethodPost:
-		s := p.legacy.lookup(r.URL)
+		s, shared := p.legacy.lookup(r.URL)
 		if s == nil {
 			return false
+		}
+		if shared {
+			p.serveSharedEndpointPost(w, r)
+			return true
 		}
 		p.serveLegacyPost(w, r, s)
 		return true
@@ -296,28 +332,24 @@ func acceptsEventStream(accept []string) bool {
 	return false
 }
 
-// serveEventStream relays a GET event stream event by event. If its first
-// event is "endpoint", it is a legacy session: the endpoint is rewritten
-// to reach the sidecar if need be and remembered, and responses on the
-// stream are matched to the deduplicated calls waiting for them. Any other
-// stream is relayed byte for byte.
+// serveEventStream relays a GET event stream event by event. Its first
+// "endpoint" event makes it a legacy session: the endpoint is rewritten to
+// reach the sidecar if need be and remembered, and responses on the
+// stream are matched to the deduplicated calls waiting for them.
 func (p *Proxy) serveEventStream(w http.ResponseWriter, r *http.Request) {
 	upCtx, cancelUp := context.WithCancel(context.WithoutCancel(r.Context()))
 	defer cancelUp()
-	req, err := http.NewRequestWithContext(upCtx, http.MethodGet, p.target(r.URL).String(), nil)
+	req, err := p.newUpstreamRequest(upCtx, r, nil)
 	if err != nil {
 		writeError(w, r, http.StatusBadRequest, nil, mcpmsg.CodeInvalidRequest, err.Error())
 		return
 	}
-	req.Header = r.Header.Clone()
-	removeHopHeaders(req.Header)
-	req.Header.Del("Accept-Encoding") // events must be readable to find the endpoint and responses
-	if _, ok := req.Header["User-Agent"]; !ok {
-		req.Header.Set("User-Agent", "") // as httputil.ReverseProxy: no Go default
-	}
-	req.Host = r.Host
+	// The sidecar reads the events (and may rewrite the endpoint): it asks
+	// for them uncompressed, and decodes what a server compresses anyway.
+	req.Header.Del("Accept-Encoding")
 
 	s := &legacySession{
+		id:        rand.Text(),
 		client:    r.Context(),
 		principal: r.Header.Get(p.engine.Policy().PrincipalHeader),
 		w:         w,
@@ -337,30 +369,41 @@ func (p *Proxy) serveEventStream(w http.ResponseWriter, r *http.Request) {
 	defer func() { _ = resp.Body.Close() }()
 	h := resp.Header.Clone()
 	removeHopHeaders(h)
+	mt, _, _ := mime.ParseMediaType(resp.Header.Get("Content-Type"))
+	events := resp.StatusCode >= 200 && resp.StatusCode <= 299 && mt == "text/event-stream"
+	var body io.Reader = resp.Body
+	if events {
+		if body, err = decodeBody(resp.Body, resp.Header.Values("Content-Encoding")); err != nil {
+			events, body = false, resp.Body // relayed as it is, unread
+		} else if len(h.Values("Content-Encoding")) > 0 {
+			h.Del("Content-Encoding")
+			h.Del("Content-Length")
+		}
+	}
 	dst := w.Header()
 	for k, v := range h {
 		dst[k] = v
 	}
 	w.WriteHeader(resp.StatusCode)
 	_ = s.rc.Flush()
-	br := bufio.NewReaderSize(resp.Body, 32<<10) // NewEventReader uses br itself
-	mt, _, _ := mime.ParseMediaType(resp.Header.Get("Content-Type"))
-	if resp.StatusCode < 200 || resp.StatusCode > 299 || mt != "text/event-stream" {
-		relayBytes(s, br)
+	if !events {
+		relayBytes(s, body)
 		return
 	}
-
-	er := mcpmsg.NewEventReader(br, int(p.opts.MaxResponseBytes))
-	ev, err := er.Next()
-	if len(ev.Raw) > 0 && eventName(ev.Raw) == "endpoint" && err == nil {
-		p.serveLegacySession(s, r, ev, er)
-		return
-	}
-	if len(ev.Raw) > 0 && !s.write(ev.Raw) {
-		return
-	}
-	if err == nil {
-		relayBytes(s, br)
+	er := mcpmsg.NewEventReader(body, int(p.opts.MaxResponseBytes))
+	for {
+		ev, err := er.Next()
+		if err == nil && ev.HasData && strings.TrimSpace(ev.Name) == "endpoint" {
+			p.serveLegacySession(s, r, ev, er)
+			return
+		}
+		s.write(ev.Raw)
+		if errors.Is(err, mcpmsg.ErrEventTooLarge) {
+			_, err = er.SkipEvent(s, nil)
+		}
+		if err != nil {
+			return
+		}
 	}
 }
 
@@ -397,16 +440,24 @@ func (p *Proxy) serveLegacySession(s *legacySession, r *http.Request, first mcpm
 	}
 	s.write(raw)
 	for {
+		// After the client left, keep reading: a call detached from it
+		// still waits for its response here.
 		ev, err := er.Next()
-		if len(ev.Raw) > 0 {
-			// After the client left, keep reading: a call detached from
-			// it still waits for its response here.
-			s.write(ev.Raw)
-		}
+		s.write(ev.Raw)
 		if errors.Is(err, mcpmsg.ErrEventTooLarge) {
-			// Most likely a response too large to keep: the calls that
-			// wait on this stream ran, and must not run again.
-			s.markTooLarge()
+			// Relay it whole and keep the session. If it is a response,
+			// its call ran: it gets no result to keep, and does not run
+			// again.
+			var scan idScanner
+			_, _ = scan.Write(ev.Data)
+			n, serr := er.SkipEvent(s, &scan)
+			if id, ok := scan.responseID(); ok {
+				s.dispatchTooLarge(id, int64(len(ev.Raw))+n)
+			}
+			err = serr
+			if err == nil {
+				continue
+			}
 		}
 		if err != nil {
 			if !errors.Is(err, io.EOF) && s.client.Err() == nil && !errors.Is(err, context.Canceled) {
@@ -414,7 +465,7 @@ func (p *Proxy) serveLegacySession(s *legacySession, r *http.Request, first mcpm
 			}
 			return
 		}
-		if name := eventName(ev.Raw); name == "" || name == "message" {
+		if name := strings.TrimSpace(ev.Name); ev.HasData && (name == "" || name == "message") {
 			s.dispatch(ev.Data, p.observeToolsList)
 		}
 	}
@@ -459,33 +510,32 @@ func (p *Proxy) clientEndpoint(data string, in *http.Request) (string, string, b
 	return out, requestKey(abs), true
 }
 
-// eventName returns the value of an event's "event" field.
-func eventName(raw []byte) string {
-	name := ""
-	for _, line := range bytes.Split(raw, []byte("\n")) {
-		line = bytes.TrimRight(line, "\r")
-		if v, ok := bytes.CutPrefix(line, []byte("event:")); ok {
-			name = string(bytes.TrimPrefix(v, []byte(" ")))
-		}
-	}
-	return name
-}
-
-// replaceData rewrites an event's data, keeping its other fields.
+// replaceData rewrites an event's data, keeping its other lines and its
+// line endings.
 func replaceData(raw []byte, data string) []byte {
 	var out []byte
 	done := false
-	for _, line := range bytes.SplitAfter(raw, []byte("\n")) {
-		if bytes.HasPrefix(line, []byte("data:")) {
-			if !done {
-				out = append(out, "data: "...)
-				out = append(out, data...)
-				out = append(out, '\n')
-				done = true
-			}
+	for len(raw) > 0 {
+		end := bytes.IndexAny(raw, "\r\n")
+		term := end + 1
+		switch {
+		case end < 0:
+			end, term = len(raw), len(raw)
+		case raw[end] == '\r' && end+1 < len(raw) && raw[end+1] == '\n':
+			term = end + 2
+		}
+		line, nl := raw[:end], raw[end:term]
+		raw = raw[term:]
+		content := bytes.TrimPrefix(line, []byte("\xEF\xBB\xBF"))
+		if name, _, _ := bytes.Cut(content, []byte(":")); string(name) != "data" {
+			out = append(append(out, line...), nl...)
 			continue
 		}
-		out = append(out, line...)
+		if !done {
+			out = append(out, line[:len(line)-len(content)]...)
+			out = append(append(append(out, "data: "...), data...), nl...)
+			done = true
+		}
 	}
 	return out
 }
@@ -505,6 +555,12 @@ func (p *Proxy) serveLegacyPost(w http.ResponseWriter, r *http.Request, s *legac
 	}
 	msg, err := mcpmsg.Parse(body)
 	if err != nil {
+		if msg != nil {
+			// JSON the server could read another way than the sidecar:
+			// refused, never forwarded.
+			p.legacyError(w, s, msg.ID, &engine.Error{Code: mcpmsg.ErrorCode(err), Message: err.Error()})
+			return
+		}
 		p.forwardBody(w, r, body, false)
 		return
 	}
@@ -519,11 +575,8 @@ func (p *Proxy) serveLegacyPost(w http.ResponseWriter, r *http.Request, s *legac
 			s.watchList(msg.ID)
 		}
 	case "notifications/cancelled":
-		var params struct {
-			RequestID json.RawMessage `json:"requestId"`
-		}
-		if json.Unmarshal(msg.Params, &params) == nil && len(params.RequestID) > 0 &&
-			p.swallowsCancel(legacyCancelKey(s, params.RequestID)) {
+		if reqID, _ := mcpmsg.CancelledRequestID(msg.Params); len(reqID) > 0 &&
+			p.swallowsCancel(legacyCancelKey(s, reqID)) {
 			// A deduplicated call runs to the end for its retry (design rule 5).
 			w.WriteHeader(http.StatusAccepted)
 			return
@@ -533,21 +586,33 @@ func (p *Proxy) serveLegacyPost(w http.ResponseWriter, r *http.Request, s *legac
 }
 
 func legacyCancelKey(s *legacySession, id json.RawMessage) string {
-	return engine.CancelKey(id, "legacy", s.endpoint)
+	return engine.CancelKey(id, "legacy", s.id)
+}
+
+// serveSharedEndpointPost forwards a POST to an endpoint two live sessions
+// share, untouched: its session cannot be told, so neither can its calls
+// be deduplicated or answered into a stream.
+func (p *Proxy) serveSharedEndpointPost(w http.ResponseWriter, r *http.Request) {
+	body, ok := p.readBody(w, r)
+	if !ok {
+		return
+	}
+	if msg, err := mcpmsg.Parse(body); err == nil && msg.Method == "tools/call" && len(msg.ID) > 0 {
+		p.sharedCalls.Inc()
+	}
+	p.forwardBody(w, r, body, false)
 }
 
 // legacyCall is a deduplicated call's request, kept past its POST handler.
 type legacyCall struct {
 	id      json.RawMessage
 	body    []byte
-	target  string
-	header  http.Header
-	host    string
+	in      *http.Request          // the client's POST (its URL and header), body read
 	refused atomic.Pointer[string] // why the server refused the POST, if it did
 }
 
 func (p *Proxy) serveLegacyCall(w http.ResponseWriter, r *http.Request, s *legacySession, body []byte, msg *mcpmsg.Message) {
-	tc, err := engine.ParseToolCall(msg.Params)
+	tc, err := engine.CallOf(msg)
 	if err != nil {
 		p.legacyError(w, s, msg.ID, err)
 		return
@@ -561,34 +626,30 @@ func (p *Proxy) serveLegacyCall(w http.ResponseWriter, r *http.Request, s *legac
 		HeaderKey:    key,
 		HasHeaderKey: hasKey,
 		Principal:    principal,
-		Session:      s.endpoint,
+		Session:      s.id,
 	})
 	if err != nil {
 		p.legacyError(w, s, msg.ID, err)
 		return
 	}
-	if plan == nil {
-		p.engine.CountPassthrough()
+	if plan == nil { // counted by Plan
 		p.forwardBody(w, r, body, false)
 		return
 	}
 	c := &legacyCall{
-		id:     bytes.Clone(msg.ID),
-		body:   body,
-		target: p.target(r.URL).String(),
-		header: r.Header.Clone(),
-		host:   r.Host,
+		id:   bytes.Clone(msg.ID),
+		body: body,
+		in:   &http.Request{Method: r.Method, URL: r.URL, Header: r.Header.Clone(), Host: r.Host},
 	}
-	removeHopHeaders(c.header)
 	cancelKey := legacyCancelKey(s, msg.ID)
 	call := p.cancels.Acquire(cancelKey, struct{}{})
 	// The response goes into the stream, as the server's would.
 	w.WriteHeader(http.StatusAccepted)
 	done := p.engine.Track()
-	go func() {
+	p.engine.Go("legacy", func() {
 		defer done()
 		p.runLegacyCall(s, plan, c, call)
-	}()
+	})
 }
 
 // legacyError answers a call the engine refused: 202 for the POST, the
@@ -649,12 +710,10 @@ func (p *Proxy) forwardLegacy(ctx context.Context, s *legacySession, c *legacyCa
 		case <-postCtx.Done():
 		}
 	}()
-	req, err := http.NewRequestWithContext(postCtx, http.MethodPost, c.target, bytes.NewReader(c.body))
+	req, err := p.newUpstreamRequest(postCtx, c.in, c.body)
 	if err != nil {
 		return engine.Upstream{}, err
 	}
-	req.Header = c.header.Clone()
-	req.Host = c.host
 	resp, err := p.client.Do(req)
 	if err != nil {
 		return engine.Upstream{}, fmt.Errorf("calling the MCP server: %w", err)
@@ -669,17 +728,20 @@ func (p *Proxy) forwardLegacy(ctx context.Context, s *legacySession, c *legacyCa
 		c.refused.Store(&why)
 		return engine.Upstream{Status: resp.StatusCode}, nil
 	}
+	got := func(r legacyResponse) (engine.Upstream, error) {
+		if r.data == nil {
+			return engine.Upstream{Status: resp.StatusCode, TooLarge: true, Size: r.tooLarge}, nil
+		}
+		return engine.Upstream{Status: resp.StatusCode, Response: r.data}, nil
+	}
 	select {
-	case data := <-ch:
-		return engine.Upstream{Status: resp.StatusCode, Response: data}, nil
+	case r := <-ch:
+		return got(r)
 	case <-s.endedCh:
 		select {
-		case data := <-ch:
-			return engine.Upstream{Status: resp.StatusCode, Response: data}, nil
+		case r := <-ch:
+			return got(r)
 		default:
-		}
-		if s.oversized() {
-			return engine.Upstream{Status: resp.StatusCode, TooLarge: true}, nil
 		}
 		return engine.Upstream{}, errors.New("the session's event stream from the MCP server ended before the call's response")
 	}

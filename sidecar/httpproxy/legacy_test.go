@@ -49,16 +49,16 @@ func TestLegacyClientEndpoint(t *testing.T) {
 	}
 }
 
-func TestLegacyEventFields(t *testing.T) {
-	raw := []byte("id: 7\r\nevent: endpoint\r\ndata: http://x/old\r\n\r\n")
-	if n := eventName(raw); n != "endpoint" {
-		t.Errorf("eventName = %q", n)
-	}
-	if got := string(replaceData(raw, "/new")); got != "id: 7\r\nevent: endpoint\r\ndata: /new\n\r\n" {
-		t.Errorf("replaceData = %q", got)
-	}
-	if n := eventName([]byte("data: {}\n\n")); n != "" {
-		t.Errorf("eventName of an unnamed event = %q", n)
+func TestLegacyReplaceData(t *testing.T) {
+	for _, tc := range []struct{ raw, want string }{
+		{"id: 7\r\nevent: endpoint\r\ndata: http://x/old\r\n\r\n", "id: 7\r\nevent: endpoint\r\ndata: /new\r\n\r\n"},
+		{": hi\rretry: 5\revent: endpoint\rdata:http://x/old\rdata: more\r\r", ": hi\rretry: 5\revent: endpoint\rdata: /new\r\r"},
+		{"\xEF\xBB\xBFdata: http://x/old\nevent: endpoint\n\n", "\xEF\xBB\xBFdata: /new\nevent: endpoint\n\n"},
+		{"event: endpoint\ndata: http://x/old", "event: endpoint\ndata: /new"},
+	} {
+		if got := string(replaceData([]byte(tc.raw), "/new")); got != tc.want {
+			t.Errorf("replaceData(%q) = %q, want %q", tc.raw, got, tc.want)
+		}
 	}
 }
 
@@ -153,6 +153,7 @@ func newLegacyTestProxy(t *testing.T) (*fakeLegacy, *httptest.Server) {
 type legacyTestClient struct {
 	t        *testing.T
 	base     string
+	auth     string
 	endpoint string
 	events   chan mcpmsg.Event
 	cancel   context.CancelFunc
@@ -160,21 +161,39 @@ type legacyTestClient struct {
 
 func openLegacy(t *testing.T, base string) *legacyTestClient {
 	t.Helper()
+	return openLegacyAs(t, base, "")
+}
+
+// openLegacyAs opens a legacy session with an Authorization header (none
+// if auth is empty), as a client reads one: up to the endpoint event,
+// whatever comes before it.
+func openLegacyAs(t *testing.T, base, auth string) *legacyTestClient {
+	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	t.Cleanup(cancel)
 	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, base+"/sse", nil)
 	req.Header.Set("Accept", "text/event-stream")
+	if auth != "" {
+		req.Header.Set("Authorization", auth)
+	}
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
 		t.Fatal(err)
 	}
-	c := &legacyTestClient{t: t, base: base, events: make(chan mcpmsg.Event, 64), cancel: cancel}
-	er := mcpmsg.NewEventReader(resp.Body, 1<<20)
-	first, err := er.Next()
-	if err != nil || eventName(first.Raw) != "endpoint" {
-		t.Fatalf("first event %q, %v; want the endpoint", first.Raw, err)
+	c := &legacyTestClient{t: t, base: base, auth: auth, events: make(chan mcpmsg.Event, 64), cancel: cancel}
+	er := mcpmsg.NewEventReader(resp.Body, 16<<20)
+	tooLate := time.AfterFunc(5*time.Second, cancel)
+	defer tooLate.Stop()
+	for {
+		first, err := er.Next()
+		if err != nil {
+			t.Fatalf("no endpoint event within 5s: %q, %v", first.Raw, err)
+		}
+		if first.Name == "endpoint" {
+			c.endpoint = string(first.Data)
+			break
+		}
 	}
-	c.endpoint = string(first.Data)
 	go func() {
 		defer func() { _ = resp.Body.Close() }()
 		for {
@@ -183,7 +202,9 @@ func openLegacy(t *testing.T, base string) *legacyTestClient {
 				close(c.events)
 				return
 			}
-			c.events <- ev
+			if ev.HasData {
+				c.events <- ev
+			}
 		}
 	}()
 	return c
@@ -191,7 +212,12 @@ func openLegacy(t *testing.T, base string) *legacyTestClient {
 
 func (c *legacyTestClient) post(body string) int {
 	c.t.Helper()
-	resp, err := http.Post(c.base+c.endpoint, "application/json", strings.NewReader(body))
+	req, _ := http.NewRequest(http.MethodPost, c.base+c.endpoint, strings.NewReader(body))
+	req.Header.Set("Content-Type", "application/json")
+	if c.auth != "" {
+		req.Header.Set("Authorization", c.auth)
+	}
+	resp, err := (&http.Client{Timeout: 10 * time.Second}).Do(req)
 	if err != nil {
 		c.t.Fatal(err)
 	}

@@ -20,6 +20,8 @@ import (
 	"sync"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+
 	"github.com/idemcp/idemcp/sidecar/engine"
 	"github.com/idemcp/idemcp/sidecar/mcpmsg"
 )
@@ -38,6 +40,9 @@ const (
 	DefaultMaxBodyBytes     = 4 << 20
 	DefaultMaxResponseBytes = 16 << 20
 	DefaultDeleteHold       = 5 * time.Minute
+	// DefaultClientWriteTimeout bounds how long one write to a client of a
+	// deduplicated call may stall before the client is detached.
+	DefaultClientWriteTimeout = 10 * time.Second
 )
 
 // Options configure a Proxy.
@@ -53,9 +58,27 @@ type Options struct {
 	// DeleteHold bounds how long a session DELETE waits for the session's
 	// deduplicated calls to finish (DefaultDeleteHold if 0).
 	DeleteHold time.Duration
+	// ClientWriteTimeout bounds how long a write to the client of a
+	// deduplicated call may stall: a client that stops reading is
+	// detached, and the call goes on and is stored
+	// (DefaultClientWriteTimeout if 0).
+	ClientWriteTimeout time.Duration
+	// ResumeGrace is how long past the server's retry interval the sidecar
+	// waits for a client to resume a pending call's stream before it
+	// resumes it itself (DefaultResumeGrace if 0).
+	ResumeGrace time.Duration
 	// Transport reaches the upstream (a tuned http.Transport if nil).
 	Transport http.RoundTripper
 	Logger    *slog.Logger
+	// Registerer takes the transport's metrics (nil: not registered).
+	Registerer prometheus.Registerer
+	// MaxStreamsPerPrincipal and MaxStreams bound the requests held open
+	// at once (POSTs until their response ends, GET streams), for one
+	// principal (callers with no principal count as one) and in all. Over
+	// a bound a request is answered 429 or 503 with a JSON-RPC error
+	// (mcpmsg.CodeOverloaded). 0 means the defaults; negative, no bound.
+	MaxStreamsPerPrincipal int
+	MaxStreams             int
 }
 
 // Proxy is an http.Handler.
@@ -68,6 +91,11 @@ type Proxy struct {
 	cancels *engine.InFlight[struct{}]
 	flights *flights
 	legacy  legacyHub // legacy HTTP+SSE sessions (legacy.go)
+	resumes resumeHub // calls whose response comes on a resumed stream (resume.go)
+	streams *streams  // requests held open, bounded (limits.go)
+	// sharedCalls counts legacy tools/call requests not deduplicated
+	// because two live sessions share their endpoint.
+	sharedCalls prometheus.Counter
 }
 
 // NewTransport returns the transport the proxy uses by default: many idle
@@ -94,9 +122,16 @@ func New(o Options) *Proxy {
 	if o.DeleteHold <= 0 {
 		o.DeleteHold = DefaultDeleteHold
 	}
+	if o.ClientWriteTimeout <= 0 {
+		o.ClientWriteTimeout = DefaultClientWriteTimeout
+	}
+	if o.ResumeGrace <= 0 {
+		o.ResumeGrace = DefaultResumeGrace
+	}
 	if o.Transport == nil {
 		o.Transport = NewTransport()
 	}
+	o.Transport = noResend{next: o.Transport}
 	if o.Logger == nil {
 		o.Logger = slog.New(slog.DiscardHandler)
 	}
@@ -106,17 +141,25 @@ func New(o Options) *Proxy {
 		log:     o.Logger,
 		cancels: engine.NewInFlight[struct{}](engine.CancelGrace),
 		flights: newFlights(),
+		streams: newStreams(o.MaxStreamsPerPrincipal, o.MaxStreams),
+		sharedCalls: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "idemcp_legacy_shared_endpoint_calls_total",
+			Help: "Legacy SSE tools/call requests forwarded without dedup because two live sessions shared their endpoint.",
+		}),
 		client: &http.Client{
 			Transport:     o.Transport,
 			CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse },
 		},
 	}
+	if o.Registerer != nil {
+		o.Registerer.MustRegister(p.sharedCalls, p.streams.open)
+	}
+	p.legacy.shared = func(endpoint string) {
+		p.log.Warn("Two live legacy SSE sessions share one endpoint; their calls are forwarded without dedup while they do",
+			"endpoint", endpoint)
+	}
 	p.rp = &httputil.ReverseProxy{
-		Rewrite: func(pr *httputil.ProxyRequest) {
-			pr.SetURL(o.Upstream)
-			// MCP servers check Host against DNS rebinding: keep the client's.
-			pr.Out.Host = pr.In.Host
-		},
+		Rewrite:        p.rewrite,
 		Transport:      o.Transport,
 		FlushInterval:  -1,
 		ModifyResponse: p.tapToolsList,
@@ -132,6 +175,17 @@ const toolsListKey ctxKey = 0
 
 // ServeHTTP implements http.Handler.
 func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	release, ok := p.admit(w, r)
+	if !ok {
+		return
+	}
+	defer release()
+	if r.Method == http.MethodGet {
+		if calls := p.resumes.match(r.Header.Get(HeaderSessionID), r.Header.Get(headerLastEventID)); len(calls) > 0 {
+			p.serveResumedStream(w, r, calls)
+			return
+		}
+	}
 	if p.serveLegacy(w, r) {
 		return
 	}
@@ -175,7 +229,7 @@ func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	kind, err := mcpmsg.Sniff(body)
 	if err != nil {
-		writeError(w, r, http.StatusBadRequest, nil, mcpmsg.CodeParseError, err.Error())
+		writeError(w, r, http.StatusBadRequest, nil, mcpmsg.ErrorCode(err), err.Error())
 		return
 	}
 	if kind == mcpmsg.Batch {
@@ -185,14 +239,16 @@ func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	msg, err := mcpmsg.Parse(body)
 	if err != nil {
-		code := mcpmsg.CodeInvalidRequest
+		// Strict: a message the server could read another way is refused.
 		var id json.RawMessage
-		if msg == nil {
-			code = mcpmsg.CodeParseError
-		} else if len(msg.ID) > 0 && msg.ID[0] != '{' && msg.ID[0] != '[' {
+		if msg != nil {
 			id = msg.ID
 		}
-		writeError(w, r, http.StatusBadRequest, id, code, err.Error())
+		status := http.StatusBadRequest
+		if mcpmsg.ErrorCode(err) == mcpmsg.CodeInvalidParams && len(id) > 0 {
+			status = http.StatusOK // as for every invalid-params answer
+		}
+		writeError(w, r, status, id, mcpmsg.ErrorCode(err), err.Error())
 		return
 	}
 	switch msg.Method {
@@ -229,7 +285,7 @@ func (p *Proxy) serveToolCall(w http.ResponseWriter, r *http.Request, body []byt
 		p.forwardBody(w, r, body, false) // a notification: nothing to answer or dedup
 		return
 	}
-	tc, err := engine.ParseToolCall(msg.Params)
+	tc, err := engine.CallOf(msg)
 	if err != nil {
 		p.writeEngineError(w, r, msg.ID, err)
 		return
@@ -252,8 +308,7 @@ func (p *Proxy) serveToolCall(w http.ResponseWriter, r *http.Request, body []byt
 		p.writeEngineError(w, r, msg.ID, err)
 		return
 	}
-	if plan == nil {
-		p.engine.CountPassthrough()
+	if plan == nil { // counted by Plan
 		p.forwardBody(w, r, body, false)
 		return
 	}
@@ -273,14 +328,26 @@ func (p *Proxy) serveDedup(w http.ResponseWriter, r *http.Request, body []byte, 
 	call := p.cancels.Acquire(cancelKey, struct{}{})
 	defer p.cancels.Release(call)
 
-	s := &sink{w: w, rc: http.NewResponseController(w)}
+	s := newSink(w, p.opts.ClientWriteTimeout)
 	defer s.detach()
 	out, err := p.engine.Execute(r.Context(), plan, func(ctx context.Context) (engine.Upstream, error) {
 		p.cancels.Hold(call)
-		defer p.cancels.Release(call)
 		release := p.flights.start(r.Header.Get(HeaderSessionID))
-		defer release()
-		return p.forwardDedup(ctx, r, body, msg.ID, s)
+		up, err := p.forwardDedup(ctx, r, body, msg.ID, s, plan.Policy.LeaseDuration)
+		if up.Later == nil {
+			release()
+			p.cancels.Release(call)
+			return up, err
+		}
+		// While the response is awaited, the session's DELETE waits and
+		// the client's cancel is still not forwarded.
+		later := up.Later
+		up.Later = func(ctx context.Context) (engine.Upstream, error) {
+			defer p.cancels.Release(call)
+			defer release()
+			return later(ctx)
+		}
+		return up, err
 	})
 	var ee *engine.Error
 	switch {
@@ -288,92 +355,162 @@ func (p *Proxy) serveDedup(w http.ResponseWriter, r *http.Request, body []byte, 
 		w.Header().Set(HeaderReplayed, "true")
 		writeMessage(w, r, http.StatusOK, mcpmsg.WithID(out.Response, msg.ID))
 	case err == nil:
-		// Executed or forwarded: the response is already relayed.
+		// Executed or forwarded: the response is already relayed; what the
+		// server streams after it follows.
+		s.relayTail()
 	case errors.As(err, &ee):
 		writeMessage(w, r, http.StatusOK, mcpmsg.ErrorResponse(msg.ID, ee.Code, ee.Message))
 	case errors.Is(err, engine.ErrDetached), r.Context().Err() != nil:
 		p.log.Debug("Client left while its call runs upstream", "tool", plan.Tool)
 	default:
-		s.mu.Lock()
-		started := s.started
-		s.mu.Unlock()
-		if !started {
+		if !s.hasStarted() {
 			writeError(w, r, http.StatusBadGateway, msg.ID, mcpmsg.CodeUpstreamUnavailable,
 				fmt.Sprintf("the MCP server could not be reached (%v); nothing was stored, so a retry runs the call", err))
 		}
+	}
+	if s.abortRequested() {
+		// The server's response broke off: so does the client's, as it
+		// would without the sidecar.
+		panic(http.ErrAbortHandler)
 	}
 }
 
 // forwardDedup sends a deduplicated call upstream with ctx (detached from
 // the client), relays the response to the client while it is there, and
-// returns the final response message for the engine to store.
-func (p *Proxy) forwardDedup(ctx context.Context, in *http.Request, body []byte, id json.RawMessage, s *sink) (engine.Upstream, error) {
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, p.target(in.URL).String(), bytes.NewReader(body))
+// returns the final response message for the engine to store. The client
+// sees what the server sent: the same bytes, and an abort where the server
+// aborted. A stream that ends after an event id but before the response
+// leaves the outcome pending (Upstream.Later, resume.go).
+func (p *Proxy) forwardDedup(ctx context.Context, in *http.Request, body []byte, id json.RawMessage, s *sink, lease time.Duration) (engine.Upstream, error) {
+	req, err := p.newUpstreamRequest(ctx, in, body)
 	if err != nil {
 		return engine.Upstream{}, err
 	}
-	req.Header = in.Header.Clone()
-	removeHopHeaders(req.Header)
-	req.Header.Del("Accept-Encoding") // bytes must be readable to find the response
-	req.Host = in.Host
-	resp, err := p.client.Do(req) //nolint:bodyclose // drainAndClose closes it once read
+	readableAcceptEncoding(req.Header) // the response must be readable to find ours
+	resp, err := p.client.Do(req)      //nolint:bodyclose // closed below, or by the sink once the rest is relayed
 	if err != nil {
 		return engine.Upstream{}, fmt.Errorf("calling the MCP server: %w", err)
 	}
-	defer drainAndClose(resp.Body)
 	h := resp.Header.Clone()
 	removeHopHeaders(h)
 	up := engine.Upstream{Status: resp.StatusCode}
+	rb := &readTracker{r: resp.Body}
 	mt, _, _ := mime.ParseMediaType(resp.Header.Get("Content-Type"))
 	if resp.StatusCode < 200 || resp.StatusCode > 299 || mt != "text/event-stream" {
+		defer drainAndClose(resp.Body)
 		s.header(resp.StatusCode, h)
 		// Relay as it comes; keep a copy up to --max-response-bytes.
 		keep := &capped{limit: p.opts.MaxResponseBytes}
-		n, err := io.Copy(io.MultiWriter(s, keep), resp.Body)
+		n, err := io.Copy(io.MultiWriter(s, keep), rb)
 		if err != nil {
+			s.abort()
 			return engine.Upstream{}, fmt.Errorf("reading the MCP server's response: %w", err)
+		}
+		if !keep.over && len(keep.buf) > 0 && len(resp.Header.Values("Content-Encoding")) > 0 {
+			// Relayed as the server sent it; read decoded.
+			keep.buf, keep.over = decodeAll(keep.buf, resp.Header.Values("Content-Encoding"), p.opts.MaxResponseBytes)
 		}
 		switch {
 		case keep.over:
 			up.TooLarge, up.Size = true, n
-		case len(keep.buf) > 0 && up.Status >= 200 && up.Status <= 299:
+		case up.Status >= 200 && up.Status <= 299 && isResponseTo(keep.buf, id):
+			// A response to another id is not this call's outcome.
 			up.Response = keep.buf
 		}
 		return up, nil
 	}
+	var c *pendingCall // set once the stream carried an event id
+	events, err := decodeBody(rb, resp.Header.Values("Content-Encoding"))
+	if err != nil {
+		// The call ran, but its response cannot be read: relay it, keep
+		// nothing, and do not run it again.
+		s.header(resp.StatusCode, h)
+		n, _ := io.Copy(s, rb)
+		drainAndClose(resp.Body)
+		up.TooLarge, up.Size = true, n
+		return up, nil
+	}
+	if len(h.Values("Content-Encoding")) > 0 {
+		// Events are relayed one by one as they are read, so a compressed
+		// stream is relayed decoded: what the client's HTTP stack would
+		// have made of it.
+		h.Del("Content-Encoding")
+		h.Del("Content-Length")
+	}
 	s.header(resp.StatusCode, h)
-	er := mcpmsg.NewEventReader(resp.Body, int(p.opts.MaxResponseBytes))
+	er := mcpmsg.NewEventReader(events, int(p.opts.MaxResponseBytes))
 	var oversized int64
 	for {
 		ev, err := er.Next()
-		if errors.Is(err, io.EOF) {
-			if oversized > 0 {
-				// Our response never came whole: it was most likely the
-				// event too large to keep. The call ran.
-				up.TooLarge, up.Size = true, oversized
-			}
-			return up, nil
-		}
 		if errors.Is(err, mcpmsg.ErrEventTooLarge) {
 			// Relay it whole without keeping it, and read on: if it was
 			// not our response, the response still follows.
 			s.write(ev.Raw)
-			n, serr := er.SkipEvent(s)
+			n, serr := er.SkipEvent(s, nil)
 			oversized = max(oversized, int64(len(ev.Raw))+n)
-			if serr != nil {
-				up.TooLarge, up.Size = true, oversized
+			if serr == nil {
+				continue
+			}
+			err = serr
+		} else if len(ev.Raw) > 0 {
+			if c == nil {
+				if ev.HasID && ev.ID != "" {
+					// From here on a client GET resuming this stream is
+					// tapped: register before the client can see the id.
+					c = p.newPendingCall(in, id)
+					p.resumes.add(c)
+				}
+			}
+			if c != nil {
+				c.sawEvent(ev.Raw)
+			}
+			s.write(ev.Raw)
+			if err == nil && ev.HasData && isResponseTo(ev.Data, id) {
+				if c != nil {
+					p.resumes.remove(c)
+				}
+				up.Response = bytes.Clone(ev.Data)
+				s.setTail(resp.Body, er.Rest(), rb)
 				return up, nil
 			}
+		}
+		if err == nil {
 			continue
 		}
-		if err != nil {
+		drainAndClose(resp.Body)
+		aborted := rb.err != nil
+		if aborted {
+			s.abort()
+		}
+		if c != nil {
+			if got, ok := c.result(); ok {
+				// A client resumed the stream while this one was open,
+				// and its stream brought the response.
+				p.resumes.remove(c)
+				return got, nil
+			}
+			if oversized == 0 && c.resumeFrom() != "" {
+				// Ended after an event id: the response comes on a
+				// resumed stream (SEP-1699 polling), not a failure.
+				up.Later = func(ctx context.Context) (engine.Upstream, error) {
+					return p.awaitPending(ctx, c, lease)
+				}
+				return up, nil
+			}
+			p.resumes.remove(c)
+		}
+		switch {
+		case oversized > 0:
+			// Our response never came whole: it was most likely the
+			// event too large to keep. The call ran.
+			up.TooLarge, up.Size = true, oversized
+			return up, nil
+		case aborted:
+			return engine.Upstream{}, fmt.Errorf("reading the MCP server's event stream: %w", rb.err)
+		case !errors.Is(err, io.EOF) && !errors.Is(err, io.ErrUnexpectedEOF):
 			return engine.Upstream{}, fmt.Errorf("reading the MCP server's event stream: %w", err)
 		}
-		s.write(ev.Raw)
-		if isResponseTo(ev.Data, id) {
-			up.Response = bytes.Clone(ev.Data)
-			return up, nil
-		}
+		return up, nil // ended without the response: released, a retry runs
 	}
 }
 
@@ -409,24 +546,15 @@ func (c *capped) Write(b []byte) (int, error) {
 }
 
 func isResponseTo(data []byte, id json.RawMessage) bool {
-	if len(data) == 0 || data[0] != '{' {
-		return false
-	}
-	var m struct {
-		ID     json.RawMessage `json:"id"`
-		Method string          `json:"method"`
-	}
-	return json.Unmarshal(data, &m) == nil && m.Method == "" && mcpmsg.SameID(m.ID, id)
+	return mcpmsg.IsResponseTo(data, id)
 }
 
 // serveCancel keeps a client's cancel of a deduplicated call from reaching
 // the server: the call completes and is stored for the retry that follows.
 func (p *Proxy) serveCancel(w http.ResponseWriter, r *http.Request, body []byte, msg *mcpmsg.Message) {
-	var params struct {
-		RequestID json.RawMessage `json:"requestId"`
-	}
-	if json.Unmarshal(msg.Params, &params) == nil && len(params.RequestID) > 0 &&
-		p.swallowsCancel(p.cancelKey(r, params.RequestID)) {
+	// Parse has checked the params: the id is read as the server reads it.
+	if reqID, _ := mcpmsg.CancelledRequestID(msg.Params); len(reqID) > 0 &&
+		p.swallowsCancel(p.cancelKey(r, reqID)) {
 		w.WriteHeader(http.StatusAccepted)
 		return
 	}
@@ -461,7 +589,13 @@ func (p *Proxy) cancelKey(r *http.Request, id json.RawMessage) string {
 	if sess := r.Header.Get(HeaderSessionID); sess != "" {
 		return engine.CancelKey(id, "http-session", sess)
 	}
-	return engine.CancelKey(id, "http", r.Header.Get(p.engine.Policy().PrincipalHeader))
+	principal := r.Header.Get(p.engine.Policy().PrincipalHeader)
+	if principal == "" {
+		// Nothing tells this caller from other anonymous ones: its cancel
+		// goes to the server, never to another caller's call.
+		return engine.NoCancelKey
+	}
+	return engine.CancelKey(id, "http", principal)
 }
 
 // swallowsCancel reports whether a cancel for this request id belongs to a
@@ -579,14 +713,34 @@ func decodeHeaderValue(v string) (string, bool) {
 }
 
 // sink writes to a client that may go away: once detached, writes are
-// dropped, so a call detached from its client can run to the end.
+// dropped, so a call detached from its client can run to the end. Each
+// write has a deadline: a client that stays connected but stops reading is
+// detached rather than allowed to stall the call.
 type sink struct {
 	mu      sync.Mutex
 	w       http.ResponseWriter
 	rc      *http.ResponseController
+	timeout time.Duration
 	gone    bool
 	started bool
+	aborted bool      // the server's response broke off: abort the client's
+	tail    *tailBody // the server's stream after the response, to relay
 }
+
+// tailBody is what is left of an upstream stream once the response passed.
+type tailBody struct {
+	body io.ReadCloser
+	rest io.Reader
+	rb   *readTracker
+}
+
+func newSink(w http.ResponseWriter, timeout time.Duration) *sink {
+	return &sink{w: w, rc: http.NewResponseController(w), timeout: timeout}
+}
+
+// sinkChunk bounds one write, so the deadline measures a stall, not the
+// time a large event takes on a slow link.
+const sinkChunk = 64 << 10
 
 func (s *sink) header(status int, h http.Header) {
 	s.mu.Lock()
@@ -600,20 +754,33 @@ func (s *sink) header(status int, h http.Header) {
 	}
 	s.w.WriteHeader(status)
 	s.started = true
-	_ = s.rc.Flush()
+	s.flushLocked()
 }
 
 func (s *sink) write(b []byte) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	for len(b) > 0 && !s.gone {
+		chunk := b[:min(len(b), sinkChunk)]
+		b = b[len(chunk):]
+		_ = s.rc.SetWriteDeadline(time.Now().Add(s.timeout))
+		if _, err := s.w.Write(chunk); err != nil {
+			s.gone = true
+		}
+	}
+	s.flushLocked()
+}
+
+func (s *sink) flushLocked() {
 	if s.gone {
 		return
 	}
-	if _, err := s.w.Write(b); err != nil {
+	_ = s.rc.SetWriteDeadline(time.Now().Add(s.timeout))
+	if err := s.rc.Flush(); err != nil {
 		s.gone = true
 		return
 	}
-	_ = s.rc.Flush()
+	_ = s.rc.SetWriteDeadline(time.Time{})
 }
 
 // Write lets the sink be an io.Writer; a client that left swallows it all.
@@ -622,10 +789,82 @@ func (s *sink) Write(b []byte) (int, error) {
 	return len(b), nil
 }
 
+func (s *sink) isGone() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.gone
+}
+
+func (s *sink) hasStarted() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.started
+}
+
+// abort asks the handler to break the client's response off.
+func (s *sink) abort() {
+	s.mu.Lock()
+	s.aborted = true
+	s.mu.Unlock()
+}
+
+func (s *sink) abortRequested() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.aborted && !s.gone
+}
+
+// setTail hands the rest of the server's stream to the handler, which
+// relays it after the call is settled.
+func (s *sink) setTail(body io.ReadCloser, rest io.Reader, rb *readTracker) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.gone {
+		drainAndClose(body)
+		return
+	}
+	s.tail = &tailBody{body: body, rest: rest, rb: rb}
+}
+
+// relayTail relays what the server streams after the response, until the
+// stream or the client ends.
+func (s *sink) relayTail() {
+	s.mu.Lock()
+	t := s.tail
+	s.tail = nil
+	s.mu.Unlock()
+	if t == nil {
+		return
+	}
+	buf := make([]byte, 32<<10)
+	for {
+		n, err := t.rest.Read(buf)
+		if n > 0 {
+			s.write(buf[:n])
+		}
+		if s.isGone() {
+			drainAndClose(t.body)
+			return
+		}
+		if err != nil {
+			if t.rb.err != nil {
+				s.abort()
+			}
+			_ = t.body.Close()
+			return
+		}
+	}
+}
+
 func (s *sink) detach() {
 	s.mu.Lock()
 	s.gone = true
+	t := s.tail
+	s.tail = nil
 	s.mu.Unlock()
+	if t != nil {
+		drainAndClose(t.body)
+	}
 }
 
 // flights counts each session's deduplicated calls running upstream.

@@ -2,7 +2,6 @@ package httpproxy
 
 import (
 	"bytes"
-	"encoding/json"
 	"io"
 	"mime"
 	"net/http"
@@ -21,15 +20,13 @@ func (p *Proxy) tapToolsList(resp *http.Response) error {
 		return nil
 	}
 	mt, _, _ := mime.ParseMediaType(resp.Header.Get("Content-Type"))
-	resp.Body = &tap{ReadCloser: resp.Body, sse: mt == "text/event-stream", observe: p.observeToolsList}
+	resp.Body = &tap{ReadCloser: resp.Body, sse: mt == "text/event-stream", encoding: resp.Header.Values("Content-Encoding"),
+		observe: p.observeToolsList}
 	return nil
 }
 
 func (p *Proxy) observeToolsList(msg []byte) {
-	var m struct {
-		Result json.RawMessage `json:"result"`
-	}
-	if json.Unmarshal(msg, &m) == nil && len(m.Result) > 0 {
+	if m, err := mcpmsg.Parse(msg); err == nil && len(m.Result) > 0 {
 		p.engine.Hints().ObserveListResult(m.Result)
 	}
 }
@@ -37,6 +34,7 @@ func (p *Proxy) observeToolsList(msg []byte) {
 type tap struct {
 	io.ReadCloser
 	sse      bool
+	encoding []string // the response's Content-Encoding: the client gets it as sent, the tap reads it decoded
 	buf      bytes.Buffer
 	overflow bool
 	finished bool
@@ -70,8 +68,14 @@ func (t *tap) finish() {
 	}
 	t.finished = true
 	// Learn off the response's path: the client is not kept waiting.
-	buf, sse, observe := t.buf.Bytes(), t.sse, t.observe
+	buf, sse, encoding, observe := t.buf.Bytes(), t.sse, t.encoding, t.observe
 	go func() {
+		if len(encoding) > 0 {
+			var over bool
+			if buf, over = decodeAll(buf, encoding, maxToolsListBytes); over {
+				return
+			}
+		}
 		if !sse {
 			observe(buf)
 			return
@@ -79,7 +83,7 @@ func (t *tap) finish() {
 		er := mcpmsg.NewEventReader(bytes.NewReader(buf), maxToolsListBytes)
 		for {
 			ev, err := er.Next()
-			if len(ev.Data) > 0 {
+			if err == nil && ev.HasData {
 				observe(ev.Data)
 			}
 			if err != nil {

@@ -6,9 +6,9 @@ package mcpmsg
 import (
 	"bytes"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"strconv"
+	"strings"
 )
 
 // JSON-RPC and idemcp error codes. idemcp's own codes sit in the
@@ -38,6 +38,13 @@ const (
 	CodeResultNotStored = -32014
 	// CodeUpstreamUnavailable means the MCP server could not be reached.
 	CodeUpstreamUnavailable = -32015
+	// CodeTaskElsewhere means the first call with this key created a task in
+	// another session, where alone the task can be read; it is not run again.
+	CodeTaskElsewhere = -32016
+	// CodeOverloaded means the caller (or all callers together) is over a
+	// bound of the sidecar: waiters on a call in flight, open streams. The
+	// call was not forwarded; retry later.
+	CodeOverloaded = -32017
 )
 
 // Message is the envelope of one JSON-RPC message. Params, Result and Error
@@ -49,6 +56,9 @@ type Message struct {
 	Params  json.RawMessage `json:"params,omitempty"`
 	Result  json.RawMessage `json:"result,omitempty"`
 	Error   json.RawMessage `json:"error,omitempty"`
+	// Call is a tools/call request's params as DecodeToolCall reads them,
+	// set by Parse, so that nobody decodes them twice.
+	Call *ToolCall `json:"-"`
 }
 
 // IsRequest reports a message with a method and an id.
@@ -65,7 +75,9 @@ const (
 )
 
 // Sniff tells a single message from a batch by the first non-space byte, so
-// batches can be forwarded without being decoded.
+// batches can be forwarded without being decoded. Its error is an *Error:
+// CodeParseError for a body that is not JSON, CodeInvalidRequest for JSON
+// that is neither an object nor an array.
 func Sniff(body []byte) (Kind, error) {
 	for _, c := range body {
 		switch c {
@@ -76,41 +88,79 @@ func Sniff(body []byte) (Kind, error) {
 		case '[':
 			return Batch, nil
 		default:
-			return 0, errors.New("body is not a JSON-RPC message: it must be a JSON object (or an array, for a batch)")
+			if !json.Valid(body) {
+				return 0, &Error{Code: CodeParseError, Message: "body is not JSON: a JSON-RPC message must be a JSON object (or an array, for a batch)"}
+			}
+			return 0, invalidRequest("body is %s, not a JSON-RPC message: it must be a JSON object (or an array, for a batch)", kindOf(body))
 		}
 	}
-	return 0, errors.New("body is empty: a JSON-RPC message was expected")
+	return 0, &Error{Code: CodeParseError, Message: "body is empty: a JSON-RPC message was expected"}
 }
+
+// envelopeMembers are the members of a JSON-RPC message the proxy reads.
+var envelopeMembers = []string{"jsonrpc", "id", "method", "params", "result", "error"}
 
 // Parse decodes the envelope of one message and checks that it is a
-// request, a notification or a response.
+// request, a notification or a response. It decodes strictly (see
+// objectMembers): a message the server could read another way than the
+// proxy is refused. Its errors are *Error: CodeParseError when the body is
+// not JSON (the message is then nil), CodeInvalidRequest when it is not one
+// unambiguous JSON-RPC message, and CodeInvalidParams when the params of a
+// tools/call or notifications/cancelled are ambiguous. The message returned
+// with an error carries the id when that could be read.
 func Parse(body []byte) (*Message, error) {
+	if !json.Valid(body) {
+		var v any
+		err := json.Unmarshal(body, &v)
+		return nil, &Error{Code: CodeParseError, Message: fmt.Sprintf("body is not valid JSON: %v", err)}
+	}
+	ms, err := objectMembers(body, "the message", envelopeMembers...)
+	if err != nil {
+		// Answer with the id if only one member could be it.
+		var m Message
+		if ids := LooseIDs(body); len(ids) == 1 && validID(ids[0], "id") == nil && idMemberExact(body) {
+			m.ID = ids[0]
+		}
+		return &m, invalidRequest("%v", err)
+	}
 	var m Message
-	if err := json.Unmarshal(body, &m); err != nil {
-		return nil, fmt.Errorf("body is not valid JSON: %w", err)
+	for _, mb := range ms {
+		switch mb.name {
+		case "jsonrpc":
+			if m.JSONRPC, err = stringValue(mb.value, `"jsonrpc"`); err != nil {
+				return &m, invalidRequest("%v", err)
+			}
+		case "id":
+			if err := validID(mb.value, `"id"`); err != nil {
+				return &m, invalidRequest("%v", err)
+			}
+			m.ID = mb.value
+		case "method":
+			if m.Method, err = stringValue(mb.value, `"method"`); err != nil {
+				return &m, invalidRequest("%v", err)
+			}
+		case "params":
+			m.Params = mb.value
+		case "result":
+			m.Result = mb.value
+		case "error":
+			m.Error = mb.value
+		}
 	}
 	if m.Method == "" && len(m.Result) == 0 && len(m.Error) == 0 {
-		return &m, errors.New(`message has no "method" (a request or notification) and no "result" or "error" (a response)`)
+		return &m, invalidRequest(`message has no "method" (a request or notification) and no "result" or "error" (a response)`)
 	}
-	if len(m.ID) > 0 && !validID(m.ID) {
-		return &m, fmt.Errorf(`"id" must be a string or a number, not %s`, m.ID)
+	switch m.Method {
+	case "tools/call":
+		if m.Call, err = DecodeToolCall(m.Params); err != nil {
+			return &m, err
+		}
+	case "notifications/cancelled":
+		if _, err := CancelledRequestID(m.Params); err != nil {
+			return &m, err
+		}
 	}
 	return &m, nil
-}
-
-func validID(id json.RawMessage) bool {
-	if len(id) == 0 {
-		return false
-	}
-	switch id[0] {
-	case '"':
-		return true
-	case '-', '0', '1', '2', '3', '4', '5', '6', '7', '8', '9':
-		return true
-	case 'n': // null is tolerated in responses to unparseable requests
-		return bytes.Equal(id, []byte("null"))
-	}
-	return false
 }
 
 // ErrorResponse builds a JSON-RPC error response. A nil id becomes null.
@@ -145,31 +195,76 @@ func WithID(stored []byte, id json.RawMessage) []byte {
 	return append(out, stored[1:]...)
 }
 
-// SameID reports whether two raw ids are the same id. Numbers compare by
-// value (1 and 1.0 are one id), strings by content.
+// SameID reports whether two raw ids are the same id: numbers by exact
+// value (1 and 1.0 are one id, 9007199254740992 and 9007199254740993 are
+// two), strings by content; a number is never the same id as a string.
 func SameID(a, b json.RawMessage) bool {
-	if bytes.Equal(a, b) {
-		return true
+	if len(a) == 0 || len(b) == 0 {
+		return false
 	}
-	if len(a) == 0 || len(b) == 0 || a[0] == '"' || b[0] == '"' {
-		var sa, sb string
-		return a != nil && b != nil && json.Unmarshal(a, &sa) == nil && json.Unmarshal(b, &sb) == nil && sa == sb
-	}
-	fa, errA := strconv.ParseFloat(string(a), 64)
-	fb, errB := strconv.ParseFloat(string(b), 64)
-	return errA == nil && errB == nil && fa == fb
+	return bytes.Equal(a, b) || IDKey(a) == IDKey(b)
 }
 
-// IDKey is a map key for an id: numbers by value, strings by content.
+// IDKey is a map key for an id: "n:" and the exact value of a number in
+// canonical form, "s:" and the content of a string, "r:" and the raw text
+// of anything else. It never goes through float64.
 func IDKey(id json.RawMessage) string {
-	if len(id) > 0 && id[0] == '"' {
-		var s string
-		if json.Unmarshal(id, &s) == nil {
-			return "s:" + s
-		}
+	if len(id) > 0 && id[0] == '"' && json.Valid(id) {
+		s, _, _ := readString(id, 0)
+		return "s:" + s
 	}
-	if f, err := strconv.ParseFloat(string(id), 64); err == nil {
-		return "n:" + strconv.FormatFloat(f, 'g', -1, 64)
+	if n, ok := exactNumber(id); ok && json.Valid(id) {
+		return "n:" + n
 	}
 	return "r:" + string(id)
+}
+
+// exactNumber writes a JSON number's exact value canonically, as
+// [-]DIGITSeEXP with no leading or trailing zeros in DIGITS ("0" for zero).
+func exactNumber(raw []byte) (string, bool) {
+	s := string(raw)
+	neg := false
+	if strings.HasPrefix(s, "-") {
+		neg, s = true, s[1:]
+	}
+	mant, expPart, hasExp := strings.Cut(strings.ToLower(s), "e")
+	intPart, frac, _ := strings.Cut(mant, ".")
+	if intPart == "" || !allDigits(intPart) || !allDigits(frac) || (len(intPart) > 1 && intPart[0] == '0') ||
+		(strings.Contains(mant, ".") && frac == "") {
+		return "", false
+	}
+	exp := int64(0)
+	if hasExp {
+		e, err := strconv.ParseInt(strings.TrimPrefix(expPart, "+"), 10, 64)
+		if err != nil || !allDigits(strings.TrimLeft(expPart, "+-")) {
+			return "", false
+		}
+		// Beyond this, adding the digit count could overflow; such ids
+		// are keyed by their text.
+		if e > 1<<60 || e < -(1<<60) {
+			return "", false
+		}
+		exp = e
+	}
+	digits := strings.TrimLeft(intPart+frac, "0")
+	exp -= int64(len(frac))
+	if digits == "" {
+		return "0", true
+	}
+	trimmed := strings.TrimRight(digits, "0")
+	exp += int64(len(digits) - len(trimmed))
+	out := trimmed + "e" + strconv.FormatInt(exp, 10)
+	if neg {
+		out = "-" + out
+	}
+	return out, true
+}
+
+func allDigits(s string) bool {
+	for i := 0; i < len(s); i++ {
+		if s[i] < '0' || s[i] > '9' {
+			return false
+		}
+	}
+	return true
 }

@@ -2,8 +2,6 @@ package mcpmsg
 
 import (
 	"encoding/json"
-	"errors"
-	"io"
 	"strings"
 	"testing"
 )
@@ -14,7 +12,7 @@ func TestParse(t *testing.T) {
 		wantErr string
 		method  string
 	}{
-		{`{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{}}`, "", "tools/call"},
+		{`{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"x"}}`, "", "tools/call"},
 		{`{"jsonrpc":"2.0","method":"notifications/initialized"}`, "", "notifications/initialized"},
 		{`{"jsonrpc":"2.0","id":"a","result":{}}`, "", ""},
 		{`{"jsonrpc":"2.0","id":1}`, `no "method"`, ""},
@@ -88,32 +86,5 @@ func TestSameID(t *testing.T) {
 	}
 	if IDKey(json.RawMessage(`1`)) != IDKey(json.RawMessage(`1.0`)) || IDKey(json.RawMessage(`1`)) == IDKey(json.RawMessage(`"1"`)) {
 		t.Error("IDKey disagrees with SameID")
-	}
-}
-
-func TestEventReader(t *testing.T) {
-	stream := ": comment\n\nevent: message\nid: 1\ndata: {\"a\":\ndata: 1}\n\n\r\nevent: message\r\ndata: {}\r\n\r\ndata: partial"
-	er := NewEventReader(strings.NewReader(stream), 1<<20)
-	var got []string
-	for {
-		ev, err := er.Next()
-		if errors.Is(err, io.EOF) {
-			break
-		}
-		got = append(got, string(ev.Data))
-		if errors.Is(err, io.ErrUnexpectedEOF) {
-			break
-		}
-		if err != nil {
-			t.Fatal(err)
-		}
-	}
-	want := []string{"", "{\"a\":\n1}", "{}", "partial"}
-	if strings.Join(got, "|") != strings.Join(want, "|") {
-		t.Errorf("events = %q, want %q", got, want)
-	}
-	er = NewEventReader(strings.NewReader("data: "+strings.Repeat("x", 100)+"\n\n"), 50)
-	if _, err := er.Next(); !errors.Is(err, ErrEventTooLarge) {
-		t.Errorf("oversized event: %v", err)
 	}
 }

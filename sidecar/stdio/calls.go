@@ -195,6 +195,8 @@ func (t *tracker) closeAndWait(timeout time.Duration) bool {
 type upstreamError struct {
 	code int
 	msg  string
+	// relayed: the client already got the server's line; answer nothing.
+	relayed bool
 }
 
 func (e *upstreamError) Error() string { return e.msg }

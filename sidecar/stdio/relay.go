@@ -38,7 +38,11 @@ func (w *Wrapper) fromClient(line []byte) {
 		return
 	}
 	kind, err := mcpmsg.Sniff(line)
-	if err != nil || !json.Valid(line) {
+	if err != nil {
+		w.refuse(nil, mcpmsg.ErrorCode(err), "a line from the client is not a JSON-RPC message: "+err.Error())
+		return
+	}
+	if !json.Valid(line) {
 		w.refuse(nil, mcpmsg.CodeParseError, "a line from the client is not JSON")
 		return
 	}
@@ -49,13 +53,15 @@ func (w *Wrapper) fromClient(line []byte) {
 	}
 	msg, err := mcpmsg.Parse(line)
 	if err != nil {
+		// Strict: a message the server could read another way is refused.
 		var id json.RawMessage
-		if msg != nil && len(msg.ID) > 0 && msg.ID[0] != '{' && msg.ID[0] != '[' {
+		if msg != nil {
 			id = msg.ID
 		}
-		w.refuse(id, mcpmsg.CodeInvalidRequest, fmt.Sprintf("a line from the client is not a JSON-RPC message: %v", err))
+		w.refuse(id, mcpmsg.ErrorCode(err), fmt.Sprintf("a line from the client is not one unambiguous JSON-RPC message: %v", err))
 		return
 	}
+	w.noteProtocolMeta(msg)
 	switch msg.Method {
 	case "tools/call":
 		w.onToolCall(line, msg)
@@ -68,8 +74,33 @@ func (w *Wrapper) fromClient(line []byte) {
 		if w.swallowCancel(msg) {
 			return
 		}
+	case "notifications/initialized":
+		w.toChild(line, msg)
+		w.sessionOpen(nil)
+		return
 	}
 	w.toChild(line, msg)
+}
+
+// sessionOpen is called when the client's session is open: the wrapper
+// can list the tools itself. A 2026-07-28 client opens none (it may send
+// server/discover, then requests carrying the protocol in
+// params._meta); the wrapper's own requests carry that _meta too.
+func (w *Wrapper) sessionOpen(meta json.RawMessage) {
+	if w.ownList.open(meta) {
+		w.lister.Start(w.base)
+	}
+}
+
+// noteProtocolMeta opens the session for the wrapper's listing when a
+// client request carries the 2026-07-28 protocol members in params._meta.
+func (w *Wrapper) noteProtocolMeta(msg *mcpmsg.Message) {
+	if w.ownList.ready.Load() || !msg.IsRequest() || msg.Method == "initialize" || msg.Method == "server/discover" {
+		return
+	}
+	if meta := mcpmsg.ProtocolMeta(msg.Params); meta != nil {
+		w.sessionOpen(meta)
+	}
 }
 
 // refuse answers a line that is not forwarded, and says why on stderr.
@@ -114,16 +145,12 @@ func (w *Wrapper) gone(err error) string {
 // reaching the server: agents cancel on timeout and then retry, and the
 // retry must get the result of the call that ran, not run it again.
 func (w *Wrapper) swallowCancel(msg *mcpmsg.Message) bool {
-	var params struct {
-		RequestID json.RawMessage `json:"requestId"`
-	}
-	if json.Unmarshal(msg.Params, &params) != nil || len(params.RequestID) == 0 {
+	// Parse has checked the params: the id is read as the server reads it.
+	reqID, _ := mcpmsg.CancelledRequestID(msg.Params)
+	if len(reqID) == 0 || !w.calls.cancelled(engine.CancelKey(reqID)) {
 		return false
 	}
-	if !w.calls.cancelled(engine.CancelKey(params.RequestID)) {
-		return false
-	}
-	w.log.Debug("Kept the client's cancel of a deduplicated call from the MCP server; the call goes on and its result is kept", "requestId", string(params.RequestID))
+	w.log.Debug("Kept the client's cancel of a deduplicated call from the MCP server; the call goes on and its result is kept", "requestId", string(reqID))
 	return true
 }
 
@@ -132,11 +159,10 @@ func (w *Wrapper) onToolCall(line []byte, msg *mcpmsg.Message) {
 		w.toChild(line, msg) // a notification: nothing to answer or deduplicate
 		return
 	}
-	tc, err := engine.ParseToolCall(msg.Params)
+	tc, err := engine.CallOf(msg)
 	if err == nil {
 		var plan *engine.Plan
-		if plan, err = w.engine.Plan(tc, w.caller); err == nil && plan == nil {
-			w.engine.CountPassthrough()
+		if plan, err = w.engine.Plan(tc, w.caller); err == nil && plan == nil { // counted by Plan
 			w.toChild(line, msg)
 			return
 		} else if err == nil {
@@ -168,7 +194,7 @@ func (w *Wrapper) dedup(line []byte, id json.RawMessage, plan *engine.Plan) {
 		_ = w.out.writeLine(mcpmsg.ErrorResponse(id, mcpmsg.CodeUpstreamUnavailable, w.gone(errClosed)))
 		return
 	}
-	go func() {
+	w.engine.Go("wrap", func() {
 		defer w.tasks.done()
 		defer cancel()
 		defer w.calls.release(c)
@@ -181,7 +207,7 @@ func (w *Wrapper) dedup(line []byte, id json.RawMessage, plan *engine.Plan) {
 			return up, err
 		})
 		w.answer(c, id, plan, out, err)
-	}()
+	})
 }
 
 // forward writes a deduplicated call to the child and waits for the
@@ -228,6 +254,9 @@ func (w *Wrapper) answer(c *dedupCall, id json.RawMessage, plan *engine.Plan, ou
 		return // relayed by the child reader
 	case errors.As(err, &ee):
 		resp = mcpmsg.ErrorResponse(id, ee.Code, ee.Message)
+	case errors.As(err, &ue) && ue.relayed:
+		w.log.Warn("A deduplicated call's response could not be read one way only; it was relayed as is, and its key is released", "tool", plan.Tool, "reason", ue.msg)
+		return
 	case errors.As(err, &ue):
 		w.log.Warn("A deduplicated call failed upstream; its key is released, so a retry runs it again", "tool", plan.Tool, "reason", ue.msg)
 		resp = mcpmsg.ErrorResponse(id, ue.code, ue.msg)
@@ -291,23 +320,89 @@ func (w *Wrapper) fromChild(line []byte) {
 		w.log.Warn("Dropped a line the MCP server wrote to stdout that is not JSON-RPC", "line", truncate(line, 200))
 		return
 	}
-	if kind == mcpmsg.Single {
-		if msg, err := mcpmsg.Parse(line); err == nil && msg.Method == "" && len(msg.ID) > 0 {
-			key := mcpmsg.IDKey(msg.ID)
-			if p := w.router.take(key); p != nil {
-				if !p.call.cancelled.Load() {
-					_ = w.out.writeLine(line)
-				}
-				p.resp = line
-				close(p.done)
-				return
-			}
-			if w.lists.take(key) && len(msg.Result) > 0 {
-				w.engine.Hints().ObserveListResult(msg.Result)
+	if kind == mcpmsg.Batch {
+		// A batch answer (also to a single request): each response in it
+		// settles its call; the line goes to the client as it came.
+		elems, _ := mcpmsg.BatchElements(line)
+		own := 0
+		for _, e := range elems {
+			if w.settle(e, true) == settledOwn {
+				own++
 			}
 		}
+		if own < len(elems) {
+			_ = w.out.writeLine(line)
+		}
+		return
 	}
-	_ = w.out.writeLine(line)
+	if w.settle(line, false) == unsettled {
+		_ = w.out.writeLine(line)
+	}
+}
+
+// What settle did with a message.
+const (
+	unsettled  = iota // nothing: the caller relays it
+	settled           // it settled a call, and relayed it unless told not to
+	settledOwn        // it answered the wrapper's own request: not for the client
+)
+
+// settle hands a message from the server to whoever waits for it: the
+// wrapper's own tools/list, a deduplicated call, a client's tools/list to
+// learn from. relayed says the caller relays the message in any case. Every response that names
+// a waiting call settles it, so that no call waits forever: one with the
+// id in the other type (1 for "1") is taken as its response, as SDK
+// clients that compare ids by value take it; one that cannot be read one
+// way only fails the call.
+func (w *Wrapper) settle(data []byte, relayed bool) int {
+	msg, err := mcpmsg.Parse(data)
+	if err != nil {
+		for _, id := range mcpmsg.LooseIDs(data) {
+			if p := w.takePending(id); p != nil {
+				p.err = &upstreamError{code: mcpmsg.CodeInternalError, relayed: true, msg: fmt.Sprintf(
+					"the MCP server's response to request %s cannot be read one way only (%v); nothing was stored, so a retry runs the call again", id, err)}
+				close(p.done)
+			}
+		}
+		return unsettled
+	}
+	if msg.Method == "notifications/tools/list_changed" {
+		w.lister.Changed()
+		return unsettled
+	}
+	if msg.Method != "" || len(msg.ID) == 0 {
+		return unsettled
+	}
+	if w.ownList.deliver(msg) {
+		return settledOwn
+	}
+	if p := w.takePending(msg.ID); p != nil {
+		if !relayed && !p.call.cancelled.Load() {
+			_ = w.out.writeLine(data)
+		}
+		p.resp = data
+		close(p.done)
+		return settled
+	}
+	if w.lists.take(mcpmsg.IDKey(msg.ID)) && len(msg.Result) > 0 {
+		w.engine.Hints().ObserveListResult(msg.Result)
+	}
+	return unsettled
+}
+
+// takePending returns the deduplicated call waiting for a response with
+// id: the exact id first, then the same id in the other type.
+func (w *Wrapper) takePending(id json.RawMessage) *pending {
+	if p := w.router.take(mcpmsg.IDKey(id)); p != nil {
+		return p
+	}
+	if k, ok := mcpmsg.OtherTypeIDKey(id); ok {
+		if p := w.router.take(k); p != nil {
+			w.log.Warn("The MCP server answered a request with its id in another type; taking it as the response", "id", string(id))
+			return p
+		}
+	}
+	return nil
 }
 
 func (w *Wrapper) childLineTooLong(o *overlong) {

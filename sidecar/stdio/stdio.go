@@ -23,10 +23,11 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/idemcp/idemcp/internal/cli"
 	"github.com/idemcp/idemcp/sidecar"
 	"github.com/idemcp/idemcp/sidecar/engine"
-	"github.com/idemcp/idemcp/sidecar/policy"
 	"github.com/idemcp/idemcp/sidecar/store"
+	"github.com/idemcp/idemcp/sidecar/toollist"
 )
 
 // Defaults for Options.
@@ -42,7 +43,7 @@ const (
 const childStopGrace = 5 * time.Second
 
 // Options are the wrapper's flags; each also reads IDEMCP_<FLAG> from the
-// environment, as the sidecar's do.
+// environment, as the sidecar's do (see NewFlagSet).
 type Options struct {
 	PolicyFile string
 	// Policy is an inline IdempotencyPolicy manifest (YAML or JSON).
@@ -58,36 +59,38 @@ type Options struct {
 	LogLevel        string
 }
 
-// Flags registers the options on fs, with defaults from the environment.
+// Flags registers the options on fs.
 func (o *Options) Flags(fs *flag.FlagSet) {
-	fs.StringVar(&o.PolicyFile, "policy-file", sidecar.Env("POLICY_FILE", ""), "an IdempotencyPolicy YAML file; only its spec is used (default: Memory store, Session scope, Auto, 24h TTL)")
-	fs.StringVar(&o.Policy, "policy", sidecar.Env("POLICY", ""), "an inline IdempotencyPolicy manifest (YAML or JSON); exclusive with --policy-file")
+	fs.StringVar(&o.PolicyFile, "policy-file", "", "an IdempotencyPolicy YAML file; only its spec is used (default: Memory store, Session scope, Auto, 24h TTL)")
+	fs.StringVar(&o.Policy, "policy", "", "an inline IdempotencyPolicy manifest (YAML or JSON); exclusive with --policy-file")
 	o.Store.Flags(fs)
-	fs.IntVar(&o.MaxLineBytes, "max-line-bytes", int(sidecar.EnvInt("MAX_LINE_BYTES", DefaultMaxLineBytes)), "largest message accepted from the client")
-	fs.IntVar(&o.MaxResponseBytes, "max-response-bytes", int(sidecar.EnvInt("MAX_RESPONSE_BYTES", DefaultMaxResponseBytes)), "largest message relayed from the MCP server")
-	fs.DurationVar(&o.ShutdownTimeout, "shutdown-timeout", sidecar.EnvDuration("SHUTDOWN_TIMEOUT", DefaultShutdownTimeout), "how long deduplicated calls in flight may take to finish after the client hangs up")
-	fs.StringVar(&o.LogLevel, "log-level", sidecar.Env("LOG_LEVEL", "info"), "debug, info, warn or error")
+	fs.IntVar(&o.MaxLineBytes, "max-line-bytes", DefaultMaxLineBytes, "largest message accepted from the client")
+	fs.IntVar(&o.MaxResponseBytes, "max-response-bytes", DefaultMaxResponseBytes, "largest message relayed from the MCP server")
+	fs.DurationVar(&o.ShutdownTimeout, "shutdown-timeout", DefaultShutdownTimeout, "how long deduplicated calls in flight may take to finish after the client hangs up")
+	fs.Var(cli.Choice(&o.LogLevel, "info", "debug", "info", "warn", "error"), "log-level", "debug, info, warn or error")
 }
 
-const usage = `Usage: idemcp wrap [flags] -- CMD [ARGS...]
+const intro = `Usage: idemcp wrap [flags] -- CMD [ARGS...]
 
 Runs the stdio MCP server CMD and relays its messages, making its tool
 calls exactly-once. In an MCP host's configuration, replace
-"node my-server.js" with "idemcp wrap -- node my-server.js".
+"node my-server.js" with "idemcp wrap -- node my-server.js".`
 
-Flags:
-`
+// NewFlagSet returns the flags of `idemcp wrap`, bound to o and to their
+// IDEMCP_* environment variables.
+func NewFlagSet(o *Options) *cli.Set {
+	s := cli.New("idemcp wrap", intro)
+	o.Flags(s.FlagSet)
+	s.BindEnv("IDEMCP_")
+	o.Store.BindEnv(s)
+	return s
+}
 
 // Main runs `idemcp wrap ARGS` until the server exits, and exits with the
 // server's exit code (128+N if a signal N killed it).
 func Main(ctx context.Context, args []string) error {
-	fs := flag.NewFlagSet("idemcp wrap", flag.ContinueOnError)
-	fs.Usage = func() {
-		_, _ = fmt.Fprint(fs.Output(), usage)
-		fs.PrintDefaults()
-	}
 	var o Options
-	o.Flags(fs)
+	fs := NewFlagSet(&o)
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -119,12 +122,13 @@ func (e ExitError) ExitCode() int { return e.Code }
 
 // Wrapper is a configured stdio proxy, ready to run its command once.
 type Wrapper struct {
-	opts   Options
-	argv   []string
-	log    *slog.Logger
-	engine *engine.Engine
-	store  store.Store
-	caller engine.Caller
+	opts      Options
+	storeInfo sidecar.StoreInfo
+	argv      []string
+	log       *slog.Logger
+	engine    *engine.Engine
+	store     store.Store
+	caller    engine.Caller
 
 	in   io.Reader
 	out  *lineWriter // to the client
@@ -139,14 +143,38 @@ type Wrapper struct {
 	lists  *idList
 	tasks  tracker
 
+	// The wrapper lists the server's tools itself, for Auto.
+	ownList *ownList
+	lister  *toollist.Lister
+
 	// base is the context of every deduplicated call; it ends when the
 	// wrapper stops, so that waiting duplicates stop waiting.
 	base       context.Context
 	cancelBase context.CancelFunc
 	stopMu     sync.Mutex
 	stopWhy    string
-	// signalled is set once the wrapper passed on or sent a signal.
+	// signalled is set once the wrapper passed on or sent a signal;
+	// signals has bit N set once it sent signal N.
 	signalled atomic.Bool
+	signals   atomic.Uint64
+	// hungUp is set once the client closed the wrapper's stdin.
+	hungUp atomic.Bool
+}
+
+// signal passes sig on to the MCP server, or sends it.
+func (w *Wrapper) signal(sig os.Signal) {
+	w.signalled.Store(true)
+	if s, ok := sig.(syscall.Signal); ok && s > 0 && s < 64 {
+		w.signals.Or(1 << uint(s))
+	}
+	_ = w.cmd.Process.Signal(sig)
+}
+
+// stoppedBy says whether exit code code is the server's death by a signal
+// the wrapper passed on or sent to stop it, SIGKILL aside.
+func (w *Wrapper) stoppedBy(code int) bool {
+	s := code - 128
+	return s > 0 && s < 64 && syscall.Signal(s) != syscall.SIGKILL && w.signals.Load()&(1<<uint(s)) != 0
 }
 
 // New checks the options, loads the policy and opens the store. stdin and
@@ -173,29 +201,40 @@ func New(o Options, argv []string, stdin io.Reader, stdout, stderr io.Writer) (*
 	if err != nil {
 		return nil, err
 	}
-	st, err := sidecar.OpenStore(o.Store, pol, log)
+	if o.Store.Upstream == "" {
+		// The command names the server: its key space is its own.
+		o.Store.Upstream = "wrap\x00" + strings.Join(argv, "\x00")
+	}
+	st, info, err := sidecar.OpenStore(o.Store, pol, log)
 	if err != nil {
 		return nil, err
 	}
 	var run [16]byte
 	_, _ = rand.Read(run[:])
-	return &Wrapper{
-		opts:   o,
-		argv:   argv,
-		log:    log,
-		engine: engine.New(engine.Options{Policy: pol, Store: st, Logger: log}),
-		store:  st,
+	eng := engine.New(engine.Options{Policy: pol, Store: st, Logger: log})
+	w := &Wrapper{
+		opts:      o,
+		storeInfo: info,
+		argv:      argv,
+		log:       log,
+		engine:    eng,
+		store:     st,
 		// A stdio session is this process: its run id scopes keys derived
-		// from arguments; explicit keys have no principal and so are shared
-		// by every wrapper on the same Redis.
-		caller: engine.Caller{Session: "wrap-" + hex.EncodeToString(run[:])},
+		// from arguments. Its one user is Local: explicit keys are shared
+		// by every run of the wrapper on the same store, so a retry after
+		// a restart finds its result.
+		caller: engine.Caller{Session: "wrap-" + hex.EncodeToString(run[:]), Local: true},
 		in:     stdin,
 		out:    newLineWriter(stdout, nil),
 		errw:   stderr,
 		router: newRouter(),
 		calls:  newCalls(),
 		lists:  newIDList(),
-	}, nil
+
+		ownList: newOwnList(),
+	}
+	w.lister = toollist.New(toollist.Options{Hints: eng.Hints(), List: w.listTools, Logger: log})
+	return w, nil
 }
 
 // Engine returns the wrapper's engine.
@@ -242,12 +281,12 @@ func (w *Wrapper) Run(ctx context.Context) (int, error) {
 		select {
 		case sig := <-sigs:
 			w.log.Debug("Passing a signal on to the MCP server", "signal", sig.String())
-			w.signalled.Store(true)
-			_ = w.cmd.Process.Signal(sig)
+			w.signal(sig)
 		case <-exited:
 			waiting = false
 		case <-clientDone:
 			clientDone = nil
+			w.hungUp.Store(true)
 			go w.hangUp(exited)
 		}
 	}
@@ -275,6 +314,12 @@ func (w *Wrapper) Run(ctx context.Context) (int, error) {
 	switch {
 	case code == 0:
 		w.log.Debug("The MCP server exited", "code", code)
+	case w.hungUp.Load() && w.stoppedBy(code):
+		// The client closed the session, and the server stopped on the
+		// signal that followed (a client sends SIGTERM when a server does
+		// not exit on its stdin closing): a normal end, and exit code 0.
+		w.log.Debug("The MCP server stopped on a signal after the client closed the session", "code", code)
+		code = 0
 	case w.signalled.Load():
 		w.log.Info("The MCP server exited after a signal", "code", code)
 	default:
@@ -309,16 +354,10 @@ func (w *Wrapper) start() error {
 	w.childIn = newLineWriter(inW, inW)
 	w.childOut = outR
 	// Only the program: servers often take tokens as arguments.
-	w.log.Info("Wrapping an MCP server", "command", w.argv[0], "pid", w.cmd.Process.Pid,
-		"policy", w.engine.Policy().Hash, "store", storeKind(w.opts.Store, w.engine.Policy()))
+	w.log.Info("Wrapping an MCP server", append([]any{"command", w.argv[0], "pid", w.cmd.Process.Pid,
+		"policy", w.engine.Policy().Hash}, w.storeInfo.LogAttrs()...)...)
+	go sidecar.CheckStore(w.base, w.store, w.storeInfo, w.engine.Policy(), w.log)
 	return nil
-}
-
-func storeKind(o sidecar.StoreOptions, p *policy.Policy) string {
-	if o.Kind != "" {
-		return strings.ToLower(o.Kind)
-	}
-	return strings.ToLower(string(p.Spec.Store.Type))
 }
 
 // hangUp runs when the client closed our stdin. The deduplicated calls it
@@ -359,9 +398,12 @@ func (w *Wrapper) hangUp(exited <-chan struct{}) {
 		case <-exited:
 			return
 		case <-time.After(childStopGrace):
-			w.log.Warn("The MCP server did not exit after its stdin closed; signalling it", "signal", sig.String())
-			w.signalled.Store(true)
-			_ = w.cmd.Process.Signal(sig)
+			if sig == os.Kill {
+				w.log.Warn("The MCP server did not exit after SIGTERM; killing it", "signal", sig.String())
+			} else {
+				w.log.Debug("The MCP server did not exit after its stdin closed; signalling it", "signal", sig.String())
+			}
+			w.signal(sig)
 		}
 	}
 }

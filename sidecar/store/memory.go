@@ -1,25 +1,42 @@
 package store
 
 import (
+	"bytes"
+	"container/heap"
 	"container/list"
 	"context"
 	"sync"
 	"time"
 )
 
-// DefaultMaxEntries bounds a memory store that is given no bound.
-const DefaultMaxEntries = 100_000
+// Bounds of a memory store that is given none.
+const (
+	DefaultMaxEntries = 100_000
+	DefaultMaxBytes   = 64 << 20
+)
+
+// entryOverhead is what a record costs besides its strings: the map slot,
+// the entry, its channel and list element.
+const entryOverhead = 256
 
 var _ Store = (*Memory)(nil)
 
 // Memory is a store inside one sidecar: no infrastructure, nothing shared
-// between replicas. It is bounded: when full, expired records go first,
-// then the oldest completed ones; a pending claim is never evicted.
+// between replicas. It is bounded in records and in bytes: when full,
+// expired records go first, then completed ones, oldest first, from the
+// tenant (Claim.Tenant) that holds the largest part of the bound: one
+// caller filling the store with cheap distinct calls evicts its own
+// results before anyone else's. A pending claim is never evicted, and
+// neither is the result just stored (a result larger than the whole bound
+// is kept alone).
 type Memory struct {
 	mu         sync.Mutex
 	entries    map[string]*memEntry
-	order      *list.List // completed entries, oldest first
+	tenants    map[string]*tenantUse
+	byUse      tenantHeap // tenants with completed records, largest use first
 	maxEntries int
+	maxBytes   int64
+	bytes      int64 // what every record costs, as entrySize counts
 	now        func() time.Time
 	stop       chan struct{}
 	stopOnce   sync.Once
@@ -28,24 +45,71 @@ type Memory struct {
 type memEntry struct {
 	fingerprint string
 	owner       string
+	tenant      string
 	response    []byte
 	completed   bool
 	leaseUntil  time.Time
 	expires     time.Time
 	done        chan struct{} // closed when the pending claim ends
-	elem        *list.Element
+	elem        *list.Element // in its tenant's order, once completed
+	size        int64
+}
+
+// tenantUse is what one tenant's completed records take.
+type tenantUse struct {
+	name    string
+	order   *list.List // keys of completed records, oldest first
+	records int
+	bytes   int64
+	index   int // in Memory.byUse
+	m       *Memory
+}
+
+// use is the larger of the tenant's shares of the record and byte bounds.
+func (t *tenantUse) use() float64 {
+	return max(float64(t.records)/float64(t.m.maxEntries), float64(t.bytes)/float64(t.m.maxBytes))
+}
+
+type tenantHeap []*tenantUse
+
+func (h tenantHeap) Len() int           { return len(h) }
+func (h tenantHeap) Less(i, j int) bool { return h[i].use() > h[j].use() }
+func (h tenantHeap) Swap(i, j int) {
+	h[i], h[j] = h[j], h[i]
+	h[i].index, h[j].index = i, j
+}
+func (h *tenantHeap) Push(x any) {
+	t := x.(*tenantUse)
+	t.index = len(*h)
+	*h = append(*h, t)
+}
+func (h *tenantHeap) Pop() any {
+	old := *h
+	t := old[len(old)-1]
+	*h = old[:len(old)-1]
+	t.index = -1
+	return t
 }
 
 // NewMemory returns a memory store holding at most maxEntries records
-// (DefaultMaxEntries if maxEntries <= 0).
-func NewMemory(maxEntries int) *Memory {
+// (DefaultMaxEntries if maxEntries <= 0) and DefaultMaxBytes.
+func NewMemory(maxEntries int) *Memory { return NewMemorySized(maxEntries, 0) }
+
+// NewMemorySized returns a memory store holding at most maxEntries records
+// (DefaultMaxEntries if <= 0) of at most maxBytes in all (DefaultMaxBytes
+// if <= 0).
+func NewMemorySized(maxEntries int, maxBytes int64) *Memory {
 	if maxEntries <= 0 {
 		maxEntries = DefaultMaxEntries
 	}
+	if maxBytes <= 0 {
+		maxBytes = DefaultMaxBytes
+	}
 	m := &Memory{
 		entries:    make(map[string]*memEntry),
-		order:      list.New(),
+		tenants:    make(map[string]*tenantUse),
 		maxEntries: maxEntries,
+		maxBytes:   maxBytes,
 		now:        time.Now,
 		stop:       make(chan struct{}),
 	}
@@ -78,26 +142,94 @@ func (m *Memory) sweepLocked(now time.Time) {
 
 func (m *Memory) deleteLocked(key string, e *memEntry) {
 	delete(m.entries, key)
+	m.bytes -= e.size
 	if e.elem != nil {
-		m.order.Remove(e.elem)
+		t := m.tenants[e.tenant]
+		t.order.Remove(e.elem)
+		e.elem = nil
+		t.records--
+		t.bytes -= e.size
+		if t.records == 0 {
+			heap.Remove(&m.byUse, t.index)
+			delete(m.tenants, e.tenant)
+		} else {
+			heap.Fix(&m.byUse, t.index)
+		}
 	}
 	if !e.completed {
 		close(e.done)
 	}
 }
 
-// makeRoomLocked keeps the store within its bound before an insert.
-func (m *Memory) makeRoomLocked(now time.Time) bool {
-	if len(m.entries) < m.maxEntries {
+// addCompletedLocked counts a record just completed (and sized) in its
+// tenant's use.
+func (m *Memory) addCompletedLocked(key string, e *memEntry) {
+	t, ok := m.tenants[e.tenant]
+	if !ok {
+		t = &tenantUse{name: e.tenant, order: list.New(), m: m}
+		m.tenants[e.tenant] = t
+		heap.Push(&m.byUse, t)
+	}
+	e.elem = t.order.PushBack(key)
+	t.records++
+	t.bytes += e.size
+	heap.Fix(&m.byUse, t.index)
+}
+
+// victimLocked returns the oldest completed record of the tenant with the
+// largest use, other than keep: the root of the heap, or (when the root's
+// only record is keep) the larger of its children.
+func (m *Memory) victimLocked(keep string) string {
+	// keep is in one tenant's records: if that is the root's only one,
+	// the next largest tenant is one of the root's children.
+	cands := []int{0, 1, 2}
+	if len(m.byUse) > 2 && m.byUse.Less(2, 1) {
+		cands = []int{0, 2, 1}
+	}
+	for _, i := range cands {
+		if i >= len(m.byUse) {
+			break
+		}
+		for el := m.byUse[i].order.Front(); el != nil; el = el.Next() {
+			if k := el.Value.(string); k != keep {
+				return k
+			}
+		}
+	}
+	return ""
+}
+
+// putLocked adds or replaces a record and counts its size.
+func (m *Memory) putLocked(key string, e *memEntry) {
+	if old, ok := m.entries[key]; ok {
+		m.bytes -= old.size
+	}
+	e.size = entrySize(key, e)
+	m.bytes += e.size
+	m.entries[key] = e
+}
+
+func entrySize(key string, e *memEntry) int64 {
+	return int64(entryOverhead + len(key) + len(e.fingerprint) + len(e.owner) + len(e.response))
+}
+
+// makeRoomLocked keeps the store within its bounds before adding n records
+// of extra bytes, sparing the record at keep. It reports false when only
+// pending claims are left to evict and there are too many of them.
+func (m *Memory) makeRoomLocked(now time.Time, n int, extra int64, keep string) bool {
+	full := func() bool { return len(m.entries)+n > m.maxEntries || m.bytes+extra > m.maxBytes }
+	if !full() {
 		return true
 	}
 	m.sweepLocked(now)
-	for len(m.entries) >= m.maxEntries {
-		front := m.order.Front()
-		if front == nil {
-			return false // everything is pending
+	for full() {
+		key := m.victimLocked(keep)
+		if key == "" {
+			// Only pending claims (and the record kept) are left: a
+			// pending claim is never evicted. Over the byte bound that
+			// is allowed; over the record bound the insert is refused.
+			return len(m.entries)+n <= m.maxEntries
 		}
-		key := front.Value.(string)
 		m.deleteLocked(key, m.entries[key])
 	}
 	return true
@@ -110,6 +242,10 @@ func (m *Memory) Reserve(_ context.Context, c Claim) (Reservation, error) {
 	defer m.mu.Unlock()
 	if e, ok := m.entries[c.Key]; ok && now.Before(e.expires) {
 		switch {
+		case e.completed && c.Discard != nil && bytes.Equal(e.response, c.Discard):
+			m.deleteLocked(c.Key, e)
+			m.putLocked(c.Key, newPending(c, now))
+			return Reservation{State: Won}, nil
 		case e.completed:
 			return Reservation{State: Completed, Fingerprint: e.fingerprint, Response: e.response}, nil
 		case now.Before(e.leaseUntil):
@@ -117,16 +253,21 @@ func (m *Memory) Reserve(_ context.Context, c Claim) (Reservation, error) {
 		case !c.TakeOver:
 			return Reservation{State: Abandoned, Fingerprint: e.fingerprint}, nil
 		}
+		if e.fingerprint != c.Fingerprint {
+			// Another call's claim: whoever reuses its key with other
+			// arguments is told, and it stays as it is.
+			return Reservation{State: Abandoned, Fingerprint: e.fingerprint}, nil
+		}
 		close(e.done) // wake waiters of the dead owner's claim
-		m.entries[c.Key] = newPending(c, now)
+		m.putLocked(c.Key, newPending(c, now))
 		return Reservation{State: Won, Fingerprint: e.fingerprint, TookOver: true}, nil
 	} else if ok {
 		m.deleteLocked(c.Key, e)
 	}
-	if !m.makeRoomLocked(now) {
+	if !m.makeRoomLocked(now, 1, entryOverhead, "") {
 		return Reservation{}, errFull
 	}
-	m.entries[c.Key] = newPending(c, now)
+	m.putLocked(c.Key, newPending(c, now))
 	return Reservation{State: Won}, nil
 }
 
@@ -142,6 +283,7 @@ func newPending(c Claim, now time.Time) *memEntry {
 	return &memEntry{
 		fingerprint: c.Fingerprint,
 		owner:       c.Owner,
+		tenant:      c.Tenant,
 		leaseUntil:  now.Add(c.Lease),
 		expires:     now.Add(retention),
 		done:        make(chan struct{}),
@@ -185,8 +327,10 @@ func (m *Memory) Complete(_ context.Context, key, owner string, response []byte,
 	e.completed = true
 	e.response = response
 	e.expires = now.Add(ttl)
-	e.elem = m.order.PushBack(key)
 	close(e.done)
+	m.putLocked(key, e)
+	m.addCompletedLocked(key, e)
+	m.makeRoomLocked(now, 0, 0, key)
 	return nil
 }
 
@@ -236,6 +380,13 @@ func (m *Memory) Len() int {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	return len(m.entries)
+}
+
+// Bytes reports what the store's records cost, as its byte bound counts.
+func (m *Memory) Bytes() int64 {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.bytes
 }
 
 // Close implements Store.

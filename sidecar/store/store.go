@@ -62,8 +62,20 @@ type Claim struct {
 	// abandoned one can still be recognized after its lease ran out.
 	Retention time.Duration
 	// TakeOver makes Reserve take a claim whose lease ran out (Won, with
-	// TookOver set) instead of reporting it Abandoned.
+	// TookOver set) instead of reporting it Abandoned. A claim with another
+	// Fingerprint is never taken over: it is reported Abandoned.
 	TakeOver bool
+	// Discard, when not nil, makes Reserve treat a completed record whose
+	// response is exactly these bytes as absent: the claim replaces it
+	// (Won). The sealing layer sets it to a record that failed to open, so
+	// that exactly one caller replaces it and the others find the new claim
+	// pending, as with any claim; a record stored meanwhile is not touched.
+	Discard []byte
+	// Tenant names whose call this is (a hash of the principal, never the
+	// principal; "" for callers with none). A bounded store that must
+	// evict makes room from the tenant that holds the most first, so one
+	// caller filling it evicts its own results, not another's.
+	Tenant string
 }
 
 // Reservation is the outcome of Reserve.

@@ -12,15 +12,18 @@ import (
 
 	"github.com/idemcp/idemcp/sidecar/canonical"
 	"github.com/idemcp/idemcp/sidecar/engine"
+	"github.com/idemcp/idemcp/sidecar/store"
 )
 
 const enginePkg = "github.com/idemcp/idemcp/sidecar/engine"
 
 // What each engine benchmark (sidecar/engine/bench_test.go) covers.
 var engineBenchNotes = map[string]string{
-	"BenchmarkKeyDerivation": "parse a tools/call's params, canonicalize the arguments (RFC 8785), sha256 fingerprint and key",
-	"BenchmarkExecuted":      "a deduplicated call that runs: plan, claim in the memory store, forward (stubbed), store the result",
-	"BenchmarkReplay":        "a retry: plan, find the stored result, splice in the caller's id",
+	"BenchmarkKeyDerivation":  "parse a tools/call's params, canonicalize the arguments (RFC 8785), sha256 fingerprint and key",
+	"BenchmarkExecuted":       "a deduplicated call that runs: plan, claim in the memory store, forward (stubbed), store the result",
+	"BenchmarkReplay":         "a retry: plan, find the stored result, splice in the caller's id",
+	"BenchmarkExecutedSealed": "BenchmarkExecuted with the result sealed (AES-256-GCM, bound to its key) before it is stored",
+	"BenchmarkReplaySealed":   "BenchmarkReplay with the stored result opened (AES-256-GCM) before it is replayed",
 }
 
 // The arguments of the engine benchmarks' "typical" tools/call
@@ -55,6 +58,8 @@ func goBenchSection(w *bytes.Buffer) {
 		{"RFC 8785 canonical form of the arguments (`canonical.Transform`)", func() { _, _ = canonical.Transform([]byte(typicalArgs)) }},
 		{fmt.Sprintf("sha256 of the canonical arguments (%d bytes)", len(canon)), func() { _ = sha256.Sum256(canon) }},
 		{"fingerprint: canonical form + sha256 (`engine.Fingerprint`)", func() { _, _ = engine.Fingerprint("charge_card", json.RawMessage(typicalArgs), nil) }},
+		{fmt.Sprintf("seal a %d-byte result (`store.Keyring.Seal`, AES-256-GCM)", len(typicalResponse)), func() { _ = benchRing.Seal("idemcp:shop/payments:", benchKey, []byte(typicalResponse)) }},
+		{fmt.Sprintf("open it (`store.Keyring.Open`), %d bytes stored", len(benchSealed)), func() { _, _, _ = benchRing.Open("idemcp:shop/payments:", benchKey, benchSealed) }},
 	}
 	for _, s := range steps {
 		r := testing.Benchmark(func(b *testing.B) {
@@ -66,6 +71,16 @@ func goBenchSection(w *bytes.Buffer) {
 		fmt.Fprintf(w, "| %s | %d | %d | %d |\n", s.name, r.NsPerOp(), r.AllocedBytesPerOp(), r.AllocsPerOp())
 	}
 }
+
+// The engine benchmarks' typical response, and a keyring to seal it.
+const typicalResponse = `{"jsonrpc":"2.0","id":1,"result":{"content":[{"type":"text","text":"charged 129.99 EUR to card ending 4242 (charge ch_3k2j)"}],"structuredContent":{"chargeId":"ch_3k2j","status":"succeeded"}}}`
+
+const benchKey = "3f9a1c0d5e7b2a4f6c8e0a1b3d5f7a9c1e3b5d7f9a1c3e5b7d9f1a3c5e7b9d1f"
+
+var (
+	benchRing, _ = store.NewKeyring(make([]byte, store.SealKeyBytes))
+	benchSealed  = benchRing.Seal("idemcp:shop/payments:", benchKey, []byte(typicalResponse))
+)
 
 type benchRow struct{ name, nsOp, bOp, allocsOp string }
 

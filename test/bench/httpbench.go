@@ -237,6 +237,9 @@ func (t *target) call(sc *scenario) (time.Duration, reply, error) {
 	h.Set("Accept", "application/json, text/event-stream")
 	h.Set("Mcp-Protocol-Version", protocolVersion)
 	h.Set("Mcp-Method", sc.method)
+	// A stateless server has no sessions: the caller's Authorization scopes
+	// its derived keys (an anonymous caller is not deduplicated).
+	h.Set("Authorization", "Bearer idemcp-bench")
 	if sc.tool != "" {
 		h.Set("Mcp-Name", sc.tool)
 	}

@@ -39,6 +39,11 @@ type config struct {
 	modes      string
 	cpuprofile string
 	growth     bool
+
+	procRounds  int
+	procConcN   int
+	procClients int
+	sessions    int
 }
 
 func main() {
@@ -50,7 +55,11 @@ func main() {
 	flag.IntVar(&c.workers, "c", 8, "concurrent clients in the concurrent runs")
 	flag.IntVar(&c.stdioN, "stdio-n", 250, "requests per target per round over stdio")
 	flag.IntVar(&c.warmup, "warmup", 100, "untimed requests per target before each scenario")
-	flag.StringVar(&c.sections, "sections", "http,stdio,go", "comma-separated sections to run: http, stdio, go")
+	flag.StringVar(&c.sections, "sections", "procs,http,stdio,go", "comma-separated sections to run: procs (the headline: separate processes), http, stdio, go")
+	flag.IntVar(&c.procRounds, "proc-rounds", 3, "rounds of the separate-process section")
+	flag.IntVar(&c.procConcN, "proc-conc-n", 3000, "calls per row per round from -proc-c clients in the separate-process section")
+	flag.IntVar(&c.procClients, "proc-c", 64, "concurrent clients in the separate-process section")
+	flag.IntVar(&c.sessions, "sessions", 1000, "concurrent sessions when measuring the sidecar's RSS")
 	flag.StringVar(&c.scenarios, "scenarios", "", "only the HTTP and stdio scenarios whose name contains this (default: all)")
 	flag.StringVar(&c.modes, "modes", "seq,conc", "HTTP runs: seq (1 client), conc (-c clients), or both")
 	flag.BoolVar(&c.growth, "growth", true, "measure the sidecar's cost as its recent deduplicated calls grow (section 1b)")
@@ -88,6 +97,12 @@ func run(c config) error {
 		}()
 	}
 
+	if want["procs"] {
+		progress("processes: starting")
+		if err := procSection(&doc, c); err != nil {
+			return fmt.Errorf("separate-process section: %w", err)
+		}
+	}
 	if want["http"] {
 		progress("HTTP: starting")
 		if err := httpSection(&doc, c); err != nil {
@@ -104,6 +119,8 @@ func run(c config) error {
 	if want["go"] {
 		progress("Go benchmarks: starting")
 		goBenchSection(&doc)
+		progress("middleware and store benchmarks: starting")
+		libBenchSection(&doc)
 	}
 	fmt.Fprintf(&doc, "\n---\nLoad average at the end: %s. Total run time %s.\n", loadavg(), time.Since(start).Round(time.Second))
 

@@ -64,13 +64,18 @@ func TestBadInputIsRefusedAndNeverForwarded(t *testing.T) {
 		id      string
 	}{
 		{"not json", `charge my card`, nil, 400, mcpmsg.CodeParseError, "must be a JSON object", "null"},
+		{"json but not an object", `5`, nil, 400, mcpmsg.CodeInvalidRequest, "body is a number", "null"},
+		{"case-folded arguments", `{"jsonrpc":"2.0","id":11,"method":"tools/call","params":{"name":"charge_card","arguments":{},"argumentſ":{"amount":5}}}`, nil, 200, mcpmsg.CodeInvalidParams, "only in letter case", "11"},
+		{"case-folded method", `{"jsonrpc":"2.0","id":12,"METHOD":"tools/list","method":"tools/call","params":{"name":"charge_card"}}`, nil, 400, mcpmsg.CodeInvalidRequest, "only in letter case", "12"},
+		{"duplicate id", `{"jsonrpc":"2.0","id":13,"id":14,"method":"tools/call","params":{"name":"charge_card"}}`, nil, 400, mcpmsg.CodeInvalidRequest, "twice", "null"},
+		{"lone surrogate in the tool name", `{"jsonrpc":"2.0","id":15,"method":"tools/call","params":{"name":"charge_card\ud800"}}`, nil, 200, mcpmsg.CodeInvalidParams, "I-JSON", "15"},
 		{"truncated json", `{"jsonrpc":"2.0","id":1,"method":"tools/call"`, nil, 400, mcpmsg.CodeParseError, "not valid JSON", "null"},
 		{"empty body", ``, nil, 400, mcpmsg.CodeParseError, "body is empty", "null"},
 		{"no method", `{"jsonrpc":"2.0","id":3}`, nil, 400, mcpmsg.CodeInvalidRequest, `no "method"`, "3"},
 		{"object id", `{"jsonrpc":"2.0","id":{"a":1},"method":"tools/call"}`, nil, 400, mcpmsg.CodeInvalidRequest, `"id" must be a string or a number`, "null"},
 		{"tools/call without name", `{"jsonrpc":"2.0","id":"x","method":"tools/call","params":{"arguments":{}}}`, nil, 200, mcpmsg.CodeInvalidParams, "params.name is missing", `"x"`},
 		{"tools/call without params", `{"jsonrpc":"2.0","id":5,"method":"tools/call"}`, nil, 200, mcpmsg.CodeInvalidParams, "has no params", "5"},
-		{"arguments not json-representable", `{"jsonrpc":"2.0","id":6,"method":"tools/call","params":{"name":"charge_card","arguments":{"amount":1e999}}}`, nil, 200, mcpmsg.CodeInvalidParams, "out of the IEEE 754 range", "6"},
+		{"arguments not json-representable", `{"jsonrpc":"2.0","id":6,"method":"tools/call","params":{"name":"charge_card","arguments":{"amount":1e999}}}`, http.Header{"Authorization": {"Bearer agent"}}, 200, mcpmsg.CodeInvalidParams, "out of the IEEE 754 range", "6"},
 		{"bad key header", `{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"name":"charge_card","arguments":{}}}`, http.Header{"Idempotency-Key": {strings.Repeat("k", 300)}}, 200, mcpmsg.CodeInvalidParams, "the Idempotency-Key header is 300 characters long", "7"},
 		{"bad _meta key", `{"jsonrpc":"2.0","id":8,"method":"tools/call","params":{"name":"charge_card","_meta":{"idempotencyKey":["a"]}}}`, nil, 200, mcpmsg.CodeInvalidParams, `params._meta["idempotencyKey"] must be a string`, "8"},
 		{"oversized body", `{"jsonrpc":"2.0","id":9,"method":"tools/call","params":{"name":"charge_card","arguments":{"pad":"` + strings.Repeat("x", 5<<20) + `"}}}`, nil, 413, mcpmsg.CodeInvalidRequest, "request body is over 4194304 bytes", "null"},
@@ -105,7 +110,8 @@ func TestBadPolicyFileStopsStartup(t *testing.T) {
 	for yaml, want := range map[string]string{
 		"spec: {tools: [{name: charge_*, mode: Sometimes}]}": `spec.tools[0].mode: "Sometimes" is not one of Auto, Deduplicate, Passthrough`,
 		"spec: {ttl: 90d}":  "90d",
-		"spec: {tl: 1h}":    `unknown field "tl"`,
+		"spec: {tl: 1h}":    `spec.tl: unknown field; did you mean "ttl"?`,
+		"":                  "the policy is empty",
 		"spec: {ttl: 800h}": "spec.ttl: 800h0m0s is outside 1s..720h",
 	} {
 		path := filepath.Join(t.TempDir(), "p.yaml")

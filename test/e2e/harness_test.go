@@ -18,6 +18,7 @@ import (
 	"github.com/modelcontextprotocol/go-sdk/mcp"
 
 	"github.com/idemcp/idemcp/sidecar"
+	"github.com/idemcp/idemcp/sidecar/toollist"
 	"github.com/idemcp/idemcp/test/mcpserver"
 )
 
@@ -73,8 +74,8 @@ func newHarness(t *testing.T, rev revision, policyYAML string, mw func(http.Hand
 		h.mu.Lock()
 		h.hosts = append(h.hosts, r.Host)
 		h.mu.Unlock()
-		if r.Method == http.MethodPost {
-			h.posts.Add(1)
+		if r.Method == http.MethodPost && r.Header.Get("User-Agent") != toollist.UserAgent {
+			h.posts.Add(1) // the sidecar's own tools/list is not the client's traffic
 		}
 		inner.ServeHTTP(w, r)
 	})
@@ -103,7 +104,11 @@ func startSidecar(t *testing.T, upstream, policyYAML string) (*sidecar.Sidecar, 
 }
 
 type clientOpts struct {
-	headers   http.Header
+	headers http.Header
+	// anonymous sends no Authorization. Otherwise a client without one in
+	// headers sends "Bearer e2e-agent": on a stateless server an anonymous
+	// caller has no scope and is not deduplicated.
+	anonymous bool
 	mcp       *mcp.ClientOptions
 	transport *killableTransport
 }
@@ -114,6 +119,13 @@ func (h *harness) connect(t *testing.T, url string, o clientOpts) *mcp.ClientSes
 	t.Helper()
 	if o.transport == nil {
 		o.transport = newKillableTransport()
+	}
+	if _, ok := o.headers["Authorization"]; !ok && !o.anonymous {
+		o.headers = o.headers.Clone()
+		if o.headers == nil {
+			o.headers = http.Header{}
+		}
+		o.headers.Set("Authorization", "Bearer e2e-agent")
 	}
 	client := mcp.NewClient(&mcp.Implementation{Name: "e2e-client", Version: "1.0.0"}, o.mcp)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)

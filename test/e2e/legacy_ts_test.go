@@ -200,10 +200,17 @@ func (s *syncBuffer) String() string {
 // argument "sse"; the port comes from $PORT) and returns its base URL.
 func legacyStartEverything(t *testing.T, node string) string {
 	t.Helper()
+	return startEverything(t, node, "sse")
+}
+
+// startEverything runs server-everything in mode (sse, streamableHttp) and
+// returns its base URL.
+func startEverything(t *testing.T, node, mode string) string {
+	t.Helper()
 	addr := freeAddr(t)
 	_, port, _ := net.SplitHostPort(addr)
 	ctx, cancel := context.WithCancel(context.Background())
-	cmd := exec.CommandContext(ctx, node, filepath.Join(legacyEverythingDir(), "dist", "index.js"), "sse")
+	cmd := exec.CommandContext(ctx, node, filepath.Join(legacyEverythingDir(), "dist", "index.js"), mode)
 	cmd.Env = append(os.Environ(), "PORT="+port)
 	cmd.WaitDelay = 5 * time.Second
 	logs := &syncBuffer{}

@@ -5,6 +5,7 @@ import (
 	"strings"
 	"syscall"
 	"testing"
+	"time"
 
 	"github.com/idemcp/idemcp/sidecar/mcpmsg"
 )
@@ -125,5 +126,37 @@ func TestWrapPassesSignalsAndExitCode(t *testing.T) {
 	}
 	if code := w.wait(t); code != 128+int(syscall.SIGTERM) {
 		t.Errorf("idemcp wrap exited with %d after SIGTERM, want %d (the server killed by SIGTERM)", code, 128+int(syscall.SIGTERM))
+	}
+}
+
+// TestWrapQuietOnNormalClose: a client ends the session the way the MCP
+// stdio transport says (stdin closed, then SIGTERM to a server that is
+// still there, as the TypeScript SDK does after 2s), in front of a server
+// that does not exit on its own when stdin closes. That is a normal end:
+// the wrapper exits 0 and logs nothing above debug about the server's
+// exit.
+func TestWrapQuietOnNormalClose(t *testing.T) {
+	t.Parallel()
+	bins := buildWrapBins(t)
+	w := startRawWrap(t, bins, nil, "LINGER=1")
+	w.send(t, wrapInitialize)
+	w.next(t)
+	_ = w.stdin.Close()
+	// The wrapper closes the server's stdin at once; the server lingers.
+	time.Sleep(500 * time.Millisecond)
+	if err := w.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	if code := w.wait(t); code != 0 {
+		t.Errorf("idemcp wrap exited with %d after a normal close, want 0", code)
+	}
+	for _, line := range strings.Split(w.stderr.String(), "\n") {
+		if strings.Contains(line, "level=INFO") && strings.Contains(line, "exited") ||
+			strings.Contains(line, "level=WARN") || strings.Contains(line, "level=ERROR") {
+			t.Errorf("a normal close logged %q", line)
+		}
+	}
+	if !strings.Contains(w.stderr.String(), "stopped on a signal after the client closed the session") {
+		t.Errorf("the debug log does not say how the server stopped:\n%s", w.stderr.String())
 	}
 }

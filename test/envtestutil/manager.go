@@ -13,7 +13,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/envtest"
 
-	"github.com/idemcp/idemcp/controllers"
+	"github.com/idemcp/idemcp/cmd/manager"
 )
 
 // Cluster is a real API server with idemcp's CRD and webhook installed and
@@ -34,7 +34,7 @@ func repoRoot() string {
 // and config/webhook installed, the manager with o (its webhook serving
 // fields filled in), waits until the webhook answers, hands the cluster to
 // use, and runs the tests.
-func RunWithManager(m *testing.M, o controllers.ManagerOptions, use func(*Cluster)) int {
+func RunWithManager(m *testing.M, o manager.Options, use func(*Cluster)) int {
 	if !Available() {
 		return 0
 	}
@@ -55,7 +55,7 @@ func RunWithManager(m *testing.M, o controllers.ManagerOptions, use func(*Cluste
 		if o.ProbeAddr == "" {
 			o.ProbeAddr = "0"
 		}
-		mgr, err := controllers.NewManager(cfg, o)
+		mgr, err := manager.New(cfg, o)
 		if err != nil {
 			fmt.Fprintln(os.Stderr, err)
 			return 1
@@ -65,7 +65,7 @@ func RunWithManager(m *testing.M, o controllers.ManagerOptions, use func(*Cluste
 				fmt.Fprintf(os.Stderr, "manager: %v\n", err)
 			}
 		}()
-		c, err := client.New(cfg, client.Options{Scheme: controllers.NewScheme()})
+		c, err := client.New(cfg, client.Options{Scheme: manager.NewScheme()})
 		if err != nil {
 			fmt.Fprintln(os.Stderr, err)
 			return 1

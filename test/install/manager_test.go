@@ -12,6 +12,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"testing"
 
 	admissionregistrationv1 "k8s.io/api/admissionregistration/v1"
@@ -20,7 +21,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/envtest"
 
-	"github.com/idemcp/idemcp/controllers"
+	"github.com/idemcp/idemcp/cmd/manager"
 	"github.com/idemcp/idemcp/test/envtestutil"
 	"github.com/idemcp/idemcp/webhook"
 )
@@ -41,12 +42,9 @@ func TestMain(m *testing.M) {
 	}))
 }
 
-// TestManagerIssuesItsWebhookCertificate: kubectl apply -k config/default,
-// then the manager starts with no Secret; it creates one, serves the
-// webhook with it, and the caBundle the API server uses matches.
-func TestManagerIssuesItsWebhookCertificate(t *testing.T) {
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
+// adminKubeconfig writes a kubeconfig of a cluster admin for kubectl.
+func adminKubeconfig(t *testing.T) string {
+	t.Helper()
 	user, err := testEnv.ControlPlane.AddUser(envtest.User{Name: "admin", Groups: []string{"system:masters"}}, nil)
 	if err != nil {
 		t.Fatal(err)
@@ -59,12 +57,22 @@ func TestManagerIssuesItsWebhookCertificate(t *testing.T) {
 	if err := os.WriteFile(kcPath, kubeconfig, 0o600); err != nil {
 		t.Fatal(err)
 	}
+	return kcPath
+}
+
+// TestManagerIssuesItsWebhookCertificate: kubectl apply -k config/default,
+// then the manager starts with no Secret; it creates one, serves the
+// webhook with it, and the caBundle the API server uses matches.
+func TestManagerIssuesItsWebhookCertificate(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	kcPath := adminKubeconfig(t)
 	kubectl := filepath.Join(os.Getenv("KUBEBUILDER_ASSETS"), "kubectl")
 	if out, err := exec.Command(kubectl, "--kubeconfig", kcPath, "apply", "--server-side", "-k", "../../config/default").CombinedOutput(); err != nil {
 		t.Fatalf("kubectl apply -k config/default: %v\n%s", err, out)
 	}
 
-	k8s, err := client.New(cfg, client.Options{Scheme: controllers.NewScheme()})
+	k8s, err := client.New(cfg, client.Options{Scheme: manager.NewScheme()})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -80,7 +88,7 @@ func TestManagerIssuesItsWebhookCertificate(t *testing.T) {
 	port := l.Addr().(*net.TCPAddr).Port
 	_ = l.Close()
 	certDir := t.TempDir()
-	mgr, err := controllers.NewManager(cfg, controllers.ManagerOptions{
+	mgr, err := manager.New(cfg, manager.Options{
 		MetricsAddr: "0", ProbeAddr: "0", Namespace: "idemcp-system", MissingPolicy: "deny",
 		Sidecar:     webhook.DefaultConfig("ghcr.io/idemcp/idemcp:test"),
 		WebhookHost: "127.0.0.1", WebhookPort: port, WebhookCertDir: certDir,
@@ -112,6 +120,13 @@ func TestManagerIssuesItsWebhookCertificate(t *testing.T) {
 		}
 		return nil
 	})
+
+	// The installed namespaceSelector leaves out the namespace the manager
+	// was installed into, so labelling it by mistake cannot lock it out.
+	if sel := mwc.Webhooks[0].NamespaceSelector; sel == nil || len(sel.MatchExpressions) != 1 ||
+		strings.Join(sel.MatchExpressions[0].Values, ",") != "kube-system,idemcp-system" {
+		t.Errorf("namespaceSelector %+v, want kubernetes.io/metadata.name NotIn [kube-system idemcp-system]", sel)
+	}
 
 	// The webhook answers TLS with a certificate the caBundle verifies
 	// under the Service's name, as the API server checks it.

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/idemcp/idemcp/internal/freeport"
 	"net"
 	"net/http"
 	"testing"
@@ -126,10 +127,9 @@ func createConfigMapWebhook(t *testing.T, ns, name, url string) {
 
 func freePort(t *testing.T, ip string) int {
 	t.Helper()
-	l, err := net.Listen("tcp", net.JoinHostPort(ip, "0"))
+	p, err := freeport.Port(ip)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer func() { _ = l.Close() }()
-	return l.Addr().(*net.TCPAddr).Port
+	return p
 }

@@ -158,11 +158,22 @@ func (m *Manager) ensure(ctx context.Context) (bool, error) {
 	if err != nil {
 		return false, err
 	}
+	// The caBundle first, the files second: the API server must trust a
+	// new CA before any replica serves a certificate it signed. ca.crt
+	// still holds the replaced CA, so the certificate served until the
+	// files change stays trusted meanwhile. If the caBundle cannot be set,
+	// the files stay as they are, unless there are none yet.
+	found, err := m.ensureCABundle(ctx, secret.Data[caCertKey])
+	if err != nil {
+		if _, statErr := os.Stat(filepath.Join(m.opts.CertDir, corev1.TLSCertKey)); statErr == nil {
+			return found, err
+		}
+	}
 	if err := m.writeFiles(ctx, secret.Data); err != nil {
 		return false, err
 	}
 	m.readyOnce.Do(func() { close(m.ready) })
-	return m.ensureCABundle(ctx, secret.Data[caCertKey])
+	return found, err
 }
 
 // ensureSecret returns the Secret after creating or renewing what it holds
@@ -215,6 +226,12 @@ func (m *Manager) ensureSecret(ctx context.Context) (*corev1.Secret, error) {
 
 		if secret.Data == nil {
 			secret.Data = map[string][]byte{}
+		}
+		// A next CA that was promoted or replaced leaves the Secret.
+		for _, k := range []string{nextCACertKey, nextCAKeyKey} {
+			if _, ok := data[k]; !ok {
+				delete(secret.Data, k)
+			}
 		}
 		maps.Copy(secret.Data, data)
 		err = m.client.Update(ctx, &secret)

@@ -19,6 +19,7 @@ const (
 	DefaultCAValidity        = 10 * 365 * 24 * time.Hour
 	DefaultCertValidity      = 365 * 24 * time.Hour
 	DefaultRotateBefore      = 30 * 24 * time.Hour
+	DefaultCAOverlap         = 7 * 24 * time.Hour
 	DefaultCheckInterval     = time.Hour
 )
 
@@ -56,6 +57,12 @@ type Options struct {
 	// RotateBefore is how long before expiry a certificate is replaced;
 	// it applies to the CA too.
 	RotateBefore time.Duration
+	// CAOverlap is how long the next CA is trusted (in ca.crt, the
+	// caBundle, and the bundle pushed to sidecars) before it signs the
+	// serving certificate: a running sidecar holding its stream in that
+	// time receives it, and does not lose the manager when the switch
+	// comes. The next CA is published RotateBefore the current one ends.
+	CAOverlap time.Duration
 	// CheckInterval is how often the Secret, the files and the caBundle
 	// are checked again.
 	CheckInterval time.Duration
@@ -85,6 +92,7 @@ func (o Options) complete() (Options, error) {
 	setDefault(&o.CertValidity, DefaultCertValidity)
 	setDefault(&o.RotateBefore, DefaultRotateBefore)
 	setDefault(&o.CheckInterval, DefaultCheckInterval)
+	setDefault(&o.CAOverlap, min(DefaultCAOverlap, o.RotateBefore/2))
 
 	var errs []error
 	if o.CertValidity <= o.RotateBefore {
@@ -95,6 +103,9 @@ func (o Options) complete() (Options, error) {
 	}
 	if o.CheckInterval >= o.RotateBefore {
 		errs = append(errs, fmt.Errorf("CheckInterval %s must be shorter than RotateBefore %s, or a certificate could expire between two checks", o.CheckInterval, o.RotateBefore))
+	}
+	if o.CAOverlap+o.CheckInterval >= o.RotateBefore {
+		errs = append(errs, fmt.Errorf("CAOverlap %s plus CheckInterval %s must be shorter than RotateBefore %s, or the CA could expire before the next one signs the serving certificate", o.CAOverlap, o.CheckInterval, o.RotateBefore))
 	}
 	if err := errors.Join(errs...); err != nil {
 		return o, fmt.Errorf("webhook certificate options: %w", err)

@@ -23,6 +23,10 @@ import (
 const (
 	caCertKey = "ca.crt"
 	caKeyKey  = "ca.key"
+	// The next CA, published in ca.crt ahead of use: it signs the serving
+	// certificate only once it has been trusted for CAOverlap.
+	nextCACertKey = "next-ca.crt"
+	nextCAKeyKey  = "next-ca.key"
 )
 
 // clockSkew backdates NotBefore so that an API server whose clock is a
@@ -35,56 +39,103 @@ type authority struct {
 	key  crypto.Signer
 }
 
+// publishedAt is when a CA made here was issued (its NotBefore is
+// backdated by clockSkew).
+func (ca *authority) publishedAt() time.Time { return ca.cert.NotBefore.Add(clockSkew) }
+
 // plan returns the Secret data the webhook should be served with, given
 // the data the Secret holds now (nil if it does not exist), and why it
 // differs. It returns nil data when the current data is fine as it is.
 //
-// ca.crt holds the current CA first, then any replaced CA that has not
-// expired yet: a replica still serving a certificate from the old CA stays
-// trusted until it picks up the new one.
+// ca.crt is the bundle everyone verifies with: the current CA first, then
+// the next CA while it is published, then any replaced CA that has not
+// expired yet. A CA is replaced in two steps, so that nobody who verifies
+// with a copy of the bundle taken before the rotation (a sidecar's
+// IDEMCP_POLICY_CA, the caBundle of the webhook configuration) is cut off:
+// RotateBefore the current CA's end, the next CA joins the bundle and the
+// policy stream pushes it to every sidecar; CAOverlap later it signs the
+// serving certificate, and the replaced CA stays in the bundle until it
+// expires. Only when no usable CA is left is a new one used at once.
 func plan(current map[string][]byte, o *Options, now time.Time) (map[string][]byte, string, error) {
 	ca, older, err := parseAuthority(current)
+	next := parseNext(current, now)
+	if published, perr := parseCertificates(current[nextCACertKey]); perr == nil {
+		// The next CA is listed in ca.crt as well; it is not a replaced one.
+		older = slices.DeleteFunc(older, func(c *x509.Certificate) bool { return c.Equal(published[0]) })
+	}
 	var reason string
 	switch {
 	case current == nil:
 		reason = "the Secret does not exist"
 	case err != nil:
 		reason = fmt.Sprintf("the Secret holds no usable CA: %v", err)
-	case !now.Add(o.RotateBefore).Before(ca.cert.NotAfter):
-		reason = fmt.Sprintf("the CA expires at %s", ca.cert.NotAfter.UTC().Format(time.RFC3339))
+	case !now.Before(ca.cert.NotAfter):
+		reason = fmt.Sprintf("the CA expired at %s", ca.cert.NotAfter.UTC().Format(time.RFC3339))
+	case !now.Add(o.RotateBefore).Before(ca.cert.NotAfter) && next != nil && !now.Before(next.publishedAt().Add(o.CAOverlap)):
+		reason = fmt.Sprintf("the CA expires at %s and the next CA has been published since %s", ca.cert.NotAfter.UTC().Format(time.RFC3339), next.publishedAt().UTC().Format(time.RFC3339))
 	}
 	if reason != "" {
+		// Switch to the next CA, or to a new one if none was published.
 		var keep []*x509.Certificate
 		if err == nil {
 			keep = unexpired(append([]*x509.Certificate{ca.cert}, older...), now)
 		}
-		ca, err := newAuthority(now, o.CAValidity)
+		if next == nil {
+			if next, err = newAuthority(now, o.CAValidity); err != nil {
+				return nil, "", err
+			}
+		}
+		certPEM, keyPEM, err := next.issue(o.dnsNames(), now, o.CertValidity)
 		if err != nil {
 			return nil, "", err
 		}
-		certPEM, keyPEM, err := ca.issue(o.dnsNames(), now, o.CertValidity)
-		if err != nil {
-			return nil, "", err
-		}
-		data, err := secretData(ca, keep, certPEM, keyPEM)
+		data, err := secretData(next, nil, keep, certPEM, keyPEM)
 		return data, reason, err
 	}
 
 	keep := unexpired(older, now)
 	certPEM, keyPEM := current[corev1.TLSCertKey], current[corev1.TLSPrivateKeyKey]
 	reason = servingProblem(certPEM, keyPEM, ca, o, now)
+	nextProblem := ""
+	if next == nil && !now.Add(o.RotateBefore).Before(ca.cert.NotAfter) {
+		if next, err = newAuthority(now, o.CAValidity); err != nil {
+			return nil, "", err
+		}
+		nextProblem = fmt.Sprintf("the CA expires at %s: publishing the next CA, which signs the serving certificate from %s",
+			ca.cert.NotAfter.UTC().Format(time.RFC3339), now.Add(o.CAOverlap).UTC().Format(time.RFC3339))
+	} else if next == nil && (len(current[nextCACertKey]) > 0 || len(current[nextCAKeyKey]) > 0) {
+		nextProblem = "the published next CA is unusable or expired"
+	}
 	switch {
 	case reason != "":
 		if certPEM, keyPEM, err = ca.issue(o.dnsNames(), now, o.CertValidity); err != nil {
 			return nil, "", err
 		}
+		if nextProblem != "" {
+			reason += "; " + nextProblem
+		}
+	case nextProblem != "":
+		reason = nextProblem
 	case len(keep) != len(older):
 		reason = "a replaced CA has expired"
 	default:
 		return nil, "", nil
 	}
-	data, err := secretData(ca, keep, certPEM, keyPEM)
+	data, err := secretData(ca, next, keep, certPEM, keyPEM)
 	return data, reason, err
+}
+
+// parseNext reads the published next CA; nil if there is none, or it is
+// unusable or expired (then a new one is published).
+func parseNext(data map[string][]byte, now time.Time) *authority {
+	if len(data[nextCACertKey]) == 0 {
+		return nil
+	}
+	next, _, err := parseAuthority(map[string][]byte{caCertKey: data[nextCACertKey], caKeyKey: data[nextCAKeyKey]})
+	if err != nil || !now.Before(next.cert.NotAfter) {
+		return nil
+	}
+	return next
 }
 
 // servingProblem says why the serving key pair must be reissued, or "" if
@@ -103,7 +154,9 @@ func servingProblem(certPEM, keyPEM []byte, ca *authority, o *Options, now time.
 	if want := sorted(o.dnsNames()); !slices.Equal(sorted(leaf.DNSNames), want) {
 		return fmt.Sprintf("the serving certificate names %v, not %v", leaf.DNSNames, want)
 	}
-	if !now.Add(o.RotateBefore).Before(leaf.NotAfter) {
+	// A certificate that ends with its CA cannot be renewed for longer:
+	// the CA's rotation replaces it.
+	if !now.Add(o.RotateBefore).Before(leaf.NotAfter) && leaf.NotAfter.Before(ca.cert.NotAfter) {
 		return fmt.Sprintf("the serving certificate expires at %s", leaf.NotAfter.UTC().Format(time.RFC3339))
 	}
 	roots := x509.NewCertPool()
@@ -208,23 +261,36 @@ func (ca *authority) issue(dnsNames []string, now time.Time, validity time.Durat
 	return pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}), keyPEM, nil
 }
 
-// secretData lays out a CA, the replaced CAs kept in ca.crt, and a serving
-// key pair as Secret data.
-func secretData(ca *authority, older []*x509.Certificate, certPEM, keyPEM []byte) (map[string][]byte, error) {
+// secretData lays out a CA, the published next CA (nil if none), the
+// replaced CAs kept in ca.crt, and a serving key pair as Secret data.
+func secretData(ca, next *authority, older []*x509.Certificate, certPEM, keyPEM []byte) (map[string][]byte, error) {
 	caKeyPEM, err := encodeKey(ca.key)
 	if err != nil {
 		return nil, err
 	}
+	trusted := []*x509.Certificate{ca.cert}
+	if next != nil {
+		trusted = append(trusted, next.cert)
+	}
 	var bundle bytes.Buffer
-	for _, c := range append([]*x509.Certificate{ca.cert}, older...) {
+	for _, c := range append(trusted, older...) {
 		_ = pem.Encode(&bundle, &pem.Block{Type: "CERTIFICATE", Bytes: c.Raw})
 	}
-	return map[string][]byte{
+	data := map[string][]byte{
 		caCertKey:               bundle.Bytes(),
 		caKeyKey:                caKeyPEM,
 		corev1.TLSCertKey:       certPEM,
 		corev1.TLSPrivateKeyKey: keyPEM,
-	}, nil
+	}
+	if next != nil {
+		nextKeyPEM, err := encodeKey(next.key)
+		if err != nil {
+			return nil, err
+		}
+		data[nextCACertKey] = pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: next.cert.Raw})
+		data[nextCAKeyKey] = nextKeyPEM
+	}
+	return data, nil
 }
 
 func parseCertificates(pemBytes []byte) ([]*x509.Certificate, error) {

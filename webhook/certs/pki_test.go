@@ -51,7 +51,10 @@ func TestPlan(t *testing.T) {
 	o := testOptions(t)
 	fresh := mustPlan(t, nil, o, t0)
 	otherCA := mustPlan(t, nil, o, t0)
-	rotatedCA := mustPlan(t, fresh, o, t0.Add(99*time.Hour))
+	// CAValidity 100h, RotateBefore 2h, CAOverlap 1h (half of it).
+	renewed := mustPlan(t, fresh, o, t0.Add(97*time.Hour)) // its serving certificate ends with the CA
+	published := mustPlan(t, renewed, o, t0.Add(98*time.Hour+30*time.Minute))
+	rotatedCA := mustPlan(t, published, o, t0.Add(99*time.Hour+30*time.Minute))
 
 	with := func(base map[string][]byte, kv ...any) func() map[string][]byte {
 		return func() map[string][]byte {
@@ -89,11 +92,18 @@ func TestPlan(t *testing.T) {
 			wantReason: "no usable CA", wantCAs: 1},
 		{name: "CA key unreadable", current: with(fresh, "ca.key", []byte("not a key")), now: t0,
 			wantReason: "no usable CA", wantCAs: 1},
-		{name: "CA near expiry keeps the old CA trusted", current: with(fresh), now: t0.Add(99 * time.Hour),
-			wantReason: "the CA expires", wantCAs: 2},
+		{name: "CA near expiry publishes the next CA and serves from the old", current: with(renewed), now: t0.Add(98*time.Hour + 30*time.Minute),
+			wantReason: "publishing the next CA", wantSameCA: true, wantSameLeaf: true, wantCAs: 2},
+		{name: "next CA published, overlap not over", current: with(published), now: t0.Add(99*time.Hour + 29*time.Minute)},
+		{name: "next CA signs after the overlap, the old CA stays trusted", current: with(published), now: t0.Add(99*time.Hour + 30*time.Minute),
+			wantReason: "the next CA has been published since", wantCAs: 2},
+		{name: "CA expired before the overlap ended: the next CA signs at once", current: with(published), now: t0.Add(100 * time.Hour),
+			wantReason: "the CA expired", wantCAs: 1},
+		{name: "unusable next CA is published again", current: with(published, "next-ca.key", otherCA["ca.key"]), now: t0.Add(99 * time.Hour),
+			wantReason: "publishing the next CA", wantSameCA: true, wantSameLeaf: true, wantCAs: 2},
 		{name: "replaced CA expired", current: with(rotatedCA), now: t0.Add(101 * time.Hour),
 			wantReason: "a replaced CA has expired", wantSameCA: true, wantSameLeaf: true, wantCAs: 1},
-		{name: "rotated CA current", current: with(rotatedCA), now: t0.Add(99 * time.Hour)},
+		{name: "rotated CA current", current: with(rotatedCA), now: t0.Add(99*time.Hour + 31*time.Minute)},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -136,6 +146,34 @@ func TestPlan(t *testing.T) {
 	}
 }
 
+// TestPlanSwitchesToThePublishedCA: the CA that signs after the overlap is
+// the one every bundle got ahead of time, not a new one.
+func TestPlanSwitchesToThePublishedCA(t *testing.T) {
+	t0 := time.Date(2030, 1, 1, 0, 0, 0, 0, time.UTC)
+	o := testOptions(t)
+	fresh := mustPlan(t, nil, o, t0)
+	published := mustPlan(t, mustPlan(t, fresh, o, t0.Add(97*time.Hour)), o, t0.Add(98*time.Hour+30*time.Minute))
+	if len(published["next-ca.key"]) == 0 || !bytes.Contains(published["ca.crt"], published["next-ca.crt"]) {
+		t.Fatal("the next CA is not published in ca.crt")
+	}
+	oldBundle := x509.NewCertPool()
+	oldBundle.AppendCertsFromPEM(published["ca.crt"])
+	for _, at := range []time.Duration{99*time.Hour + 30*time.Minute, 100 * time.Hour} {
+		switched := mustPlan(t, published, o, t0.Add(at))
+		if !bytes.Equal(switched["ca.key"], published["next-ca.key"]) {
+			t.Fatalf("at +%s the serving certificate is signed by a CA nobody was given ahead", at)
+		}
+		if _, ok := switched["next-ca.crt"]; ok {
+			t.Fatalf("at +%s the promoted CA is still published as the next", at)
+		}
+		leaf := verifyLeaf(t, switched, o.serverName(), t0.Add(at))
+		// A sidecar holding the bundle of before the switch verifies it.
+		if _, err := leaf.Verify(x509.VerifyOptions{DNSName: o.serverName(), Roots: oldBundle, CurrentTime: t0.Add(at)}); err != nil {
+			t.Fatalf("at +%s the bundle published before the switch does not verify the new serving certificate: %v", at, err)
+		}
+	}
+}
+
 // TestPlanServingCertificateNeverOutlivesCA: a CA with less left than
 // CertValidity signs a certificate that ends with it.
 func TestPlanServingCertificateNeverOutlivesCA(t *testing.T) {
@@ -170,7 +208,7 @@ func TestOptionsComplete(t *testing.T) {
 		Namespace: "ns", SecretName: DefaultSecretName, ServiceName: DefaultServiceName,
 		WebhookConfigName: DefaultWebhookConfigName, CertDir: DefaultCertDir(),
 		CAValidity: DefaultCAValidity, CertValidity: DefaultCertValidity,
-		RotateBefore: DefaultRotateBefore, CheckInterval: DefaultCheckInterval,
+		RotateBefore: DefaultRotateBefore, CheckInterval: DefaultCheckInterval, CAOverlap: DefaultCAOverlap,
 	}
 	if !reflect.DeepEqual(o, want) {
 		t.Errorf("defaults %+v, want %+v", o, want)
@@ -184,6 +222,7 @@ func TestOptionsComplete(t *testing.T) {
 		{"serving certificate shorter than RotateBefore", Options{Namespace: "ns", CertValidity: time.Hour, RotateBefore: time.Hour}, "CertValidity"},
 		{"CA shorter than RotateBefore", Options{Namespace: "ns", CAValidity: time.Hour, CertValidity: time.Hour, RotateBefore: 2 * time.Hour}, "CAValidity"},
 		{"check slower than RotateBefore", Options{Namespace: "ns", CheckInterval: 31 * 24 * time.Hour}, "CheckInterval"},
+		{"overlap as long as RotateBefore", Options{Namespace: "ns", CAOverlap: 30 * 24 * time.Hour}, "CAOverlap"},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			if _, err := tt.o.complete(); err == nil || !strings.Contains(err.Error(), tt.want) {

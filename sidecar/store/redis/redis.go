@@ -39,6 +39,8 @@ const (
 	DefaultReadTimeout  = time.Second
 	DefaultWriteTimeout = time.Second
 	DefaultPollInterval = time.Second
+	// DefaultReplicaTimeout bounds how long a write waits for MinReplicas.
+	DefaultReplicaTimeout = time.Second
 )
 
 // Options says how to reach Redis.
@@ -57,6 +59,9 @@ type Options struct {
 	Username         string
 	Password         string
 	SentinelPassword string
+	// DB selects a database of a standalone or Sentinel Redis (Cluster has
+	// only 0).
+	DB int
 
 	// TLS connects with TLS. TLSConfig, if set, is used as is (a private CA,
 	// a client certificate); otherwise the system roots verify the server.
@@ -80,11 +85,26 @@ type Options struct {
 	// PollInterval bounds how long a waiter trusts pub/sub alone: it
 	// re-reads the record at least this often, in case a wake-up was lost.
 	PollInterval time.Duration
+
+	// MinReplicas, when above 0, makes every claim, renewal and stored
+	// result wait (Redis WAIT, on the connection that wrote it) until that
+	// many replicas have it. Redis replicates asynchronously: without it a
+	// failover to a replica that had not yet received a claim loses the
+	// claim, and a retry runs the call again. A write acknowledged by fewer
+	// replicas within ReplicaTimeout fails with ErrUnavailable (it did
+	// reach the primary; a claim is then released by the engine), so the
+	// policy's onStoreUnavailable decides, as for a store that is down.
+	MinReplicas int
+	// ReplicaTimeout bounds the wait for MinReplicas (default
+	// DefaultReplicaTimeout; a shorter deadline of the caller wins).
+	ReplicaTimeout time.Duration
 }
 
 // Store is a store.Store in Redis. It is safe for concurrent use.
 type Store struct {
 	client     redis.UniversalClient
+	replicas   int
+	replicaTO  time.Duration
 	ownsClient bool
 	prefix     string
 	channel    string
@@ -101,6 +121,9 @@ func New(opts Options) (*Store, error) {
 	if len(opts.Addrs) == 0 {
 		return nil, errors.New("redis store: no addresses")
 	}
+	if opts.MinReplicas < 0 {
+		return nil, fmt.Errorf("redis store: MinReplicas %d: want 0 (do not wait for replicas) or more", opts.MinReplicas)
+	}
 	uo := &redis.UniversalOptions{
 		Addrs:            opts.Addrs,
 		MasterName:       opts.SentinelMaster,
@@ -108,6 +131,7 @@ func New(opts Options) (*Store, error) {
 		Username:         opts.Username,
 		Password:         opts.Password,
 		SentinelPassword: opts.SentinelPassword,
+		DB:               opts.DB,
 		DialTimeout:      orDefault(opts.DialTimeout, DefaultDialTimeout),
 		ReadTimeout:      orDefault(opts.ReadTimeout, DefaultReadTimeout),
 		WriteTimeout:     orDefault(opts.WriteTimeout, DefaultWriteTimeout),
@@ -129,6 +153,7 @@ func New(opts Options) (*Store, error) {
 	}
 	s := newStore(redis.NewUniversalClient(uo), opts.Prefix, opts.PollInterval)
 	s.ownsClient = true
+	s.replicas, s.replicaTO = opts.MinReplicas, orDefault(opts.ReplicaTimeout, DefaultReplicaTimeout)
 	s.preload(uo.DialTimeout)
 	return s, nil
 }
@@ -202,11 +227,18 @@ func (s *Store) Reserve(ctx context.Context, c store.Claim) (store.Reservation, 
 	if c.TakeOver {
 		takeOver = "1"
 	}
-	reply, err := reserveScript.Run(ctx, s.client, []string{s.prefix + c.Key},
-		c.Fingerprint, c.Owner, millis(c.Lease), millis(max(c.Retention, c.Lease)), takeOver).Slice()
-	if err != nil {
-		return store.Reservation{}, unavailable("reserve", c.Key, err)
+	discard := "0"
+	if c.Discard != nil {
+		discard = "1"
 	}
+	res, err := s.write(ctx, "reserve", c.Key, reserveScript, func(r any) bool {
+		code, _ := field[int64](asSlice(r), 0)
+		return code == codeWon || code == codeTookOver
+	}, c.Fingerprint, c.Owner, millis(c.Lease), millis(max(c.Retention, c.Lease)), takeOver, discard, c.Discard)
+	if err != nil {
+		return store.Reservation{}, err
+	}
+	reply := asSlice(res)
 	code, _ := field[int64](reply, 0)
 	fp, _ := field[string](reply, 1)
 	switch code {
@@ -225,6 +257,11 @@ func (s *Store) Reserve(ctx context.Context, c store.Claim) (store.Reservation, 
 	return store.Reservation{}, unavailable("reserve", c.Key, fmt.Errorf("unexpected reply %v", reply))
 }
 
+func asSlice(r any) []any {
+	v, _ := r.([]any)
+	return v
+}
+
 func field[T any](reply []any, i int) (T, bool) {
 	var zero T
 	if i >= len(reply) {
@@ -237,14 +274,74 @@ func field[T any](reply []any, i int) (T, bool) {
 // owned runs a compare-and-set script that replies 1 when the owner still
 // held the claim.
 func (s *Store) owned(ctx context.Context, op, key string, sc *redis.Script, args ...any) error {
-	n, err := sc.Run(ctx, s.client, []string{s.prefix + key}, args...).Int64()
+	r, err := s.write(ctx, op, key, sc, func(r any) bool { n, _ := r.(int64); return n == 1 }, args...)
 	if err != nil {
-		return unavailable(op, key, err)
+		return err
 	}
-	if n != 1 {
+	if n, _ := r.(int64); n != 1 {
 		return fmt.Errorf("redis %s %s: %w", op, key, store.ErrNotOwner)
 	}
 	return nil
+}
+
+// write runs a script on key. With MinReplicas set, a script that wrote
+// (as wrote says of its reply) is followed by WAIT on the same connection,
+// since WAIT counts the replicas that have that connection's writes.
+func (s *Store) write(ctx context.Context, op, key string, sc *redis.Script, wrote func(any) bool, args ...any) (any, error) {
+	full := s.prefix + key
+	if s.replicas == 0 {
+		r, err := sc.Run(ctx, s.client, []string{full}, args...).Result()
+		if err != nil {
+			return nil, unavailable(op, key, err)
+		}
+		return r, nil
+	}
+	conn, err := s.conn(ctx, full)
+	if err != nil {
+		return nil, unavailable(op, key, err)
+	}
+	defer func() { _ = conn.Close() }()
+	r, err := sc.Run(ctx, conn, []string{full}, args...).Result()
+	if err != nil {
+		return nil, unavailable(op, key, err)
+	}
+	if !wrote(r) {
+		return r, nil
+	}
+	timeout := s.replicaTO
+	if dl, ok := ctx.Deadline(); ok {
+		// WAIT 0 would block forever.
+		timeout = max(min(timeout, time.Until(dl)), time.Millisecond)
+	}
+	acked, err := conn.Wait(ctx, s.replicas, timeout).Result()
+	if err != nil {
+		return nil, unavailable(op, key, fmt.Errorf("waiting for %d replicas: %w", s.replicas, err))
+	}
+	if acked < int64(s.replicas) {
+		return nil, unavailable(op, key, fmt.Errorf("%w: written on the primary, but %d of the %d replicas required (MinReplicas) acknowledged it within %v",
+			ErrTooFewReplicas, acked, s.replicas, timeout))
+	}
+	return r, nil
+}
+
+// ErrTooFewReplicas is wrapped, with store.ErrUnavailable, by a write that
+// fewer than MinReplicas replicas acknowledged in time.
+var ErrTooFewReplicas = errors.New("too few replicas acknowledged the write")
+
+// conn is one connection to the primary that owns key: the node of a
+// Cluster, the master a Sentinel names, or the standalone server.
+func (s *Store) conn(ctx context.Context, key string) (*redis.Conn, error) {
+	switch c := s.client.(type) {
+	case *redis.ClusterClient:
+		node, err := c.MasterForKey(ctx, key)
+		if err != nil {
+			return nil, err
+		}
+		return node.Conn(), nil
+	case *redis.Client:
+		return c.Conn(), nil
+	}
+	return nil, fmt.Errorf("MinReplicas needs a standalone, Sentinel or Cluster client, not %T", s.client)
 }
 
 // Renew implements store.Store.
@@ -259,9 +356,17 @@ func (s *Store) Complete(ctx context.Context, key, owner string, response []byte
 
 // Release implements store.Store. A Release that go-redis re-sends after a
 // lost reply finds the key gone and reports ErrNotOwner, although the
-// claim was released.
+// claim was released. It does not wait for replicas: a release that a
+// failover loses leaves a claim that lapses with its lease, which is safe.
 func (s *Store) Release(ctx context.Context, key, owner string) error {
-	return s.owned(ctx, "release", key, releaseScript, owner, s.channel)
+	n, err := releaseScript.Run(ctx, s.client, []string{s.prefix + key}, owner, s.channel).Int64()
+	if err != nil {
+		return unavailable("release", key, err)
+	}
+	if n != 1 {
+		return fmt.Errorf("redis release %s: %w", key, store.ErrNotOwner)
+	}
+	return nil
 }
 
 // Wait implements store.Store. It costs one command, plus one per

@@ -458,3 +458,151 @@ func TestClusterWakeUpCrossesNodes(t *testing.T) {
 		}
 	}
 }
+
+func TestContractSealed(t *testing.T) {
+	srv := redistest.Start(t)
+	key := make([]byte, store.SealKeyBytes)
+	_, _ = rand.Read(key)
+	ring, err := store.NewKeyring(key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	storetest.RunCore(t, func(t *testing.T) store.Store {
+		return store.Seal(newStore(t, redisstore.Options{Addrs: []string{srv.Addr}}), store.SealOptions{Keyring: ring, Context: prefix(t)})
+	})
+}
+
+func TestContractMinReplicas(t *testing.T) {
+	primary := redistest.Start(t)
+	redistest.StartReplica(t, primary)
+	storetest.Run(t, func(t *testing.T) store.Store {
+		return newStore(t, redisstore.Options{Addrs: []string{primary.Addr}, MinReplicas: 1})
+	})
+}
+
+// TestMinReplicas: with MinReplicas a claim and a stored result reach the
+// replica before they are acknowledged; with the replica stopped a claim
+// fails as a store failure that says why, and reads still work.
+func TestMinReplicas(t *testing.T) {
+	primary := redistest.Start(t)
+	replica := redistest.StartReplica(t, primary)
+	s := newStore(t, redisstore.Options{Addrs: []string{primary.Addr}, MinReplicas: 1, ReplicaTimeout: 2 * time.Second})
+	ctx := context.Background()
+	onReplica := func(key string) string {
+		v, _ := redistest.Do(replica.Addr, "HGET", prefix(t)+key, "s")
+		return v
+	}
+
+	c := claim("done", time.Minute)
+	if r, err := s.Reserve(ctx, c); err != nil || r.State != store.Won {
+		t.Fatalf("Reserve with the replica up: %v, %v", r.State, err)
+	}
+	// WAIT returned, so the replica has the claim now, not eventually.
+	if got := onReplica("done"); got != "p" {
+		t.Fatalf("the claim acknowledged with MinReplicas 1 is %q on the replica, want pending", got)
+	}
+	if err := s.Complete(ctx, "done", c.Owner, []byte("result"), time.Minute); err != nil {
+		t.Fatalf("Complete with the replica up: %v", err)
+	}
+	if got := onReplica("done"); got != "c" {
+		t.Fatalf("the result acknowledged with MinReplicas 1 is %q on the replica, want completed", got)
+	}
+
+	replica.Pause()
+	defer replica.Resume()
+	start := time.Now()
+	_, err := s.Reserve(ctx, claim("lonely", time.Minute))
+	if !errors.Is(err, store.ErrUnavailable) || !errors.Is(err, redisstore.ErrTooFewReplicas) {
+		t.Fatalf("Reserve with the replica stopped: %v, want ErrUnavailable and ErrTooFewReplicas", err)
+	}
+	if !strings.Contains(err.Error(), "0 of the 1 replicas") {
+		t.Errorf("the error does not say how many replicas acknowledged: %v", err)
+	}
+	if d := time.Since(start); d > 10*time.Second {
+		t.Errorf("the failed claim took %v, far over ReplicaTimeout", d)
+	}
+	// A replay writes nothing and waits for nobody.
+	if r, err := s.Reserve(ctx, claim("done", time.Minute)); err != nil || r.State != store.Completed || string(r.Response) != "result" {
+		t.Fatalf("replay with the replica stopped: %v %q, %v", r.State, r.Response, err)
+	}
+	replica.Resume()
+	waitFor(t, func() bool {
+		r, err := s.Reserve(ctx, claim("again", time.Minute))
+		return err == nil && r.State == store.Won
+	}, "claims to succeed once the replica is back")
+}
+
+func TestMinReplicasNegative(t *testing.T) {
+	_, err := redisstore.New(redisstore.Options{Addrs: []string{"127.0.0.1:1"}, MinReplicas: -1})
+	if err == nil || !strings.Contains(err.Error(), "MinReplicas -1") {
+		t.Fatalf("New with MinReplicas -1: %v, want an error naming it", err)
+	}
+}
+
+func waitFor(t *testing.T, cond func() bool, what string) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// TestMinReplicasAcrossFailover: claims and results acknowledged with
+// MinReplicas 1 are all on the replica that Sentinel promotes, and the
+// store follows the Sentinel to it.
+func TestMinReplicasAcrossFailover(t *testing.T) {
+	primary := redistest.Start(t)
+	redistest.StartReplica(t, primary)
+	redistest.StartReplica(t, primary)
+	sentinel := redistest.StartSentinel(t, primary, "idemcp")
+	s := newStore(t, redisstore.Options{Addrs: []string{sentinel.Addr}, SentinelMaster: "idemcp", MinReplicas: 1, ReplicaTimeout: 2 * time.Second})
+	ctx := context.Background()
+	const n = 50
+	for i := range n {
+		c := claim(fmt.Sprintf("k%d", i), time.Minute)
+		if r, err := s.Reserve(ctx, c); err != nil || r.State != store.Won {
+			t.Fatalf("Reserve %d: %v, %v", i, r.State, err)
+		}
+		if i%2 == 0 {
+			if err := s.Complete(ctx, c.Key, c.Owner, []byte(c.Key), time.Minute); err != nil {
+				t.Fatalf("Complete %d: %v", i, err)
+			}
+		}
+	}
+	// Sentinel learns of the replicas from the primary's INFO, every
+	// few seconds: until then it has none to promote.
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		_, err := redistest.Do(sentinel.Addr, "SENTINEL", "FAILOVER", "idemcp")
+		if err == nil {
+			break
+		}
+		if !strings.Contains(err.Error(), "NOGOODSLAVE") || time.Now().After(deadline) {
+			t.Fatalf("SENTINEL FAILOVER: %v", err)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	waitFor(t, func() bool {
+		addr, err := redistest.Do(sentinel.Addr, "SENTINEL", "get-master-addr-by-name", "idemcp")
+		return err == nil && strings.Replace(addr, "\n", ":", 1) != primary.Addr
+	}, "the Sentinel to name a new primary")
+	for i := range n {
+		key := fmt.Sprintf("k%d", i)
+		var r store.Reservation
+		waitFor(t, func() bool {
+			var err error
+			r, err = s.Reserve(ctx, claim(key, time.Minute))
+			return err == nil
+		}, "the store to reach the new primary")
+		want := store.Pending
+		if i%2 == 0 {
+			want = store.Completed
+		}
+		if r.State != want {
+			t.Errorf("after the failover %s is %v, want %v", key, r.State, want)
+		}
+	}
+}

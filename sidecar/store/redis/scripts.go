@@ -10,7 +10,8 @@ import "github.com/redis/go-redis/v9"
 //	l  lease expiry, Redis server time in Unix milliseconds (pending only)
 //	r  the response (completed only)
 //	n  nonce of the Complete that stored r, so that a Complete that go-redis
-//	   re-sends after a lost reply is recognised as the same call
+//	   re-sends after a lost reply is recognised as the same call (as is
+//	   the owner's Complete of the same response)
 //	w  set once someone waits, so that Complete and Release publish a
 //	   wake-up only when it can matter (PUBLISH is broadcast to every node
 //	   of a Redis Cluster)
@@ -40,11 +41,17 @@ const (
 )
 
 // reserveScript: ARGV = fingerprint, owner, lease ms, keep ms (max of
-// retention and lease), takeover ("1" or "0"). Replies {code, fingerprint,
-// response}.
+// retention and lease), takeover ("1" or "0"), discard ("1" or "0"), the
+// response to discard. Replies {code, fingerprint, response}.
 var reserveScript = redis.NewScript(nowMillis + `
 local rec = redis.call('HMGET', KEYS[1], 's', 'fp', 'o', 'l', 'r')
 local now = now_ms()
+-- A completed record the caller could not open is replaced, only if it is
+-- still exactly the one the caller read.
+if rec[1] == 'c' and ARGV[6] == '1' and (rec[5] or '') == ARGV[7] then
+  redis.call('DEL', KEYS[1])
+  rec = {false}
+end
 if not rec[1] then
   redis.call('HSET', KEYS[1], 's', 'p', 'fp', ARGV[1], 'o', ARGV[2],
     'l', string.format('%d', now + tonumber(ARGV[3])))
@@ -62,7 +69,9 @@ end
 if (tonumber(rec[4]) or 0) > now then
   return {3, fp}
 end
-if ARGV[5] ~= '1' then
+-- A claim of other arguments is never taken over: whoever reuses its
+-- explicit key with them is told so.
+if ARGV[5] ~= '1' or fp ~= ARGV[1] then
   return {4, fp}
 end
 redis.call('HSET', KEYS[1], 's', 'p', 'fp', ARGV[1], 'o', ARGV[2],
@@ -72,8 +81,14 @@ return {5, fp}
 `)
 
 // renewScript: ARGV = owner, lease ms. Replies 1, or 0 if not the owner.
+// A record this owner completed is still its own: while its Complete is
+// retried (say, on the new primary after a failover, where the claim is
+// still pending), renewing must go on, not stop as if the claim were lost.
 var renewScript = redis.NewScript(nowMillis + `
 local rec = redis.call('HMGET', KEYS[1], 's', 'o')
+if rec[1] == 'c' and rec[2] == ARGV[1] then
+  return 1
+end
 if rec[1] ~= 'p' or rec[2] ~= ARGV[1] then
   return 0
 end
@@ -86,11 +101,17 @@ return 1
 `)
 
 // completeScript: ARGV = owner, response, ttl ms, nonce, wake channel.
-// Replies 1, or 0 if not the owner.
+// Replies 1, or 0 if not the owner. The owner's Complete of the same
+// response again (the engine retrying one whose replicas fell short) is
+// the same Complete: it replies 1 and writes the nonce again, so that a
+// WAIT after it covers the stored result.
 var completeScript = redis.NewScript(`
 local rec = redis.call('HMGET', KEYS[1], 's', 'o', 'n')
-if rec[1] == 'c' and rec[2] == ARGV[1] and rec[3] == ARGV[4] then
-  return 1
+if rec[1] == 'c' and rec[2] == ARGV[1] then
+  if rec[3] == ARGV[4] or redis.call('HGET', KEYS[1], 'r') == ARGV[2] then
+    redis.call('HSET', KEYS[1], 'n', ARGV[4])
+    return 1
+  end
 end
 if rec[1] ~= 'p' or rec[2] ~= ARGV[1] then
   return 0

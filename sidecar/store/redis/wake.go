@@ -32,7 +32,7 @@ type wakeHub struct {
 	closeOnce sync.Once
 
 	mu      sync.Mutex
-	waiters map[string]map[chan struct{}]struct{}
+	waiters store.Waiters
 	resub   chan struct{} // closed, and replaced, at every (re)subscription
 }
 
@@ -42,7 +42,7 @@ func newWakeHub(c redis.UniversalClient, channel string) *wakeHub {
 		channel: channel,
 		closed:  make(chan struct{}),
 		ready:   make(chan struct{}),
-		waiters: make(map[string]map[chan struct{}]struct{}),
+		waiters: store.Waiters{},
 		resub:   make(chan struct{}),
 	}
 }
@@ -59,24 +59,14 @@ func (h *wakeHub) listen(ctx context.Context, key string) (chan struct{}, error)
 		return nil, fmt.Errorf("%w: store closed", store.ErrUnavailable)
 	default:
 	}
-	set := h.waiters[key]
-	if set == nil {
-		set = make(map[chan struct{}]struct{})
-		h.waiters[key] = set
-	}
-	set[w] = struct{}{}
+	h.waiters.Add(key, w)
 	return w, nil
 }
 
 func (h *wakeHub) stop(key string, w chan struct{}) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	if set := h.waiters[key]; set != nil {
-		delete(set, w)
-		if len(set) == 0 {
-			delete(h.waiters, key)
-		}
-	}
+	h.waiters.Remove(key, w)
 }
 
 // resubscribed returns a channel closed at the next (re)subscription.
@@ -129,12 +119,7 @@ func (h *wakeHub) dispatch(ch <-chan any) {
 			h.readyOnce.Do(func() { close(h.ready) })
 		case *redis.Message:
 			h.mu.Lock()
-			for w := range h.waiters[m.Payload] {
-				select {
-				case w <- struct{}{}:
-				default: // already woken
-				}
-			}
+			h.waiters.Wake(m.Payload)
 			h.mu.Unlock()
 		}
 	}

@@ -22,6 +22,19 @@ const Lease = 400 * time.Millisecond
 // Run runs the contract against stores made by newStore.
 func Run(t *testing.T, newStore func(t *testing.T) store.Store) {
 	t.Helper()
+	run(t, newStore, true)
+}
+
+// RunCore runs the contract without Claim.Discard, which is about the
+// bytes a store holds: a sealed store's callers never see those, since
+// the sealing layer sets Discard itself.
+func RunCore(t *testing.T, newStore func(t *testing.T) store.Store) {
+	t.Helper()
+	run(t, newStore, false)
+}
+
+func run(t *testing.T, newStore func(t *testing.T) store.Store, discard bool) {
+	t.Helper()
 	tests := []struct {
 		name string
 		fn   func(t *testing.T, s store.Store)
@@ -31,6 +44,7 @@ func Run(t *testing.T, newStore func(t *testing.T) store.Store) {
 		{"ReleaseLetsNextCallRun", testRelease},
 		{"StaleOwnerCannotTouchNewClaim", testStaleOwner},
 		{"AbandonedWithoutTakeOver", testAbandoned},
+		{"OtherFingerprintIsNeverTakenOver", testOtherFingerprint},
 		{"RenewKeepsClaimAlive", testRenew},
 		{"WaitWakesOnComplete", testWaitComplete},
 		{"WaitWakesOnRelease", testWaitRelease},
@@ -45,6 +59,15 @@ func Run(t *testing.T, newStore func(t *testing.T) store.Store) {
 				t.Fatalf("Ping: %v", err)
 			}
 		}},
+	}
+	if discard {
+		tests = append(tests, []struct {
+			name string
+			fn   func(t *testing.T, s store.Store)
+		}{
+			{"DiscardReplacesOnlyThatResult", testDiscard},
+			{"ConcurrentDiscardsOneWinner", testConcurrentDiscard},
+		}...)
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -180,6 +203,48 @@ func testAbandoned(t *testing.T, s store.Store) {
 	}
 	// Still abandoned for the next cautious caller: nobody took it.
 	want(t, reserve(t, s, cautious), store.Abandoned)
+}
+
+// An explicit key reused with other arguments finds the first call's
+// fingerprint whatever became of it, so the engine refuses it: a taken-over
+// claim would run the other arguments under the first call's key.
+func testOtherFingerprint(t *testing.T, s store.Store) {
+	ctx := context.Background()
+	other := func(key string) store.Claim {
+		c := claim(key)
+		c.Fingerprint = "fp-other-arguments"
+		return c
+	}
+	check := func(r store.Reservation, first store.Claim, state store.State) {
+		t.Helper()
+		want(t, r, state)
+		if r.Fingerprint != first.Fingerprint {
+			t.Errorf("%s record's fingerprint = %q, want the first call's %q", state, r.Fingerprint, first.Fingerprint)
+		}
+	}
+
+	pending := claim(token())
+	want(t, reserve(t, s, pending), store.Won)
+	check(reserve(t, s, other(pending.Key)), pending, store.Pending)
+
+	done := claim(token())
+	want(t, reserve(t, s, done), store.Won)
+	if err := s.Complete(ctx, done.Key, done.Owner, []byte("r"), time.Minute); err != nil {
+		t.Fatal(err)
+	}
+	check(reserve(t, s, other(done.Key)), done, store.Completed)
+
+	dead := claim(token())
+	dead.Lease = Lease
+	want(t, reserve(t, s, dead), store.Won)
+	time.Sleep(Lease + 200*time.Millisecond)
+	check(reserve(t, s, other(dead.Key)), dead, store.Abandoned)
+	// The claim is still the first call's: a retry of it takes it over.
+	r := reserve(t, s, claim(dead.Key))
+	want(t, r, store.Won)
+	if !r.TookOver {
+		t.Error("a retry with the first call's arguments did not take its abandoned claim over")
+	}
 }
 
 func testRenew(t *testing.T, s store.Store) {
@@ -328,4 +393,86 @@ func testIndependent(t *testing.T, s store.Store) {
 	a, b := claim(token()), claim(token())
 	want(t, reserve(t, s, a), store.Won)
 	want(t, reserve(t, s, b), store.Won)
+}
+
+// A result the sealing layer could not open is replaced by exactly one
+// claim, and only while it is still that very result.
+func testDiscard(t *testing.T, s store.Store) {
+	ctx := context.Background()
+	key := token()
+	first := claim(key)
+	want(t, reserve(t, s, first), store.Won)
+	if err := s.Complete(ctx, key, first.Owner, []byte("unopenable"), time.Minute); err != nil {
+		t.Fatal(err)
+	}
+	other := claim(key)
+	other.Discard = []byte("another result")
+	r := reserve(t, s, other)
+	want(t, r, store.Completed)
+	if string(r.Response) != "unopenable" {
+		t.Fatalf("a Discard of other bytes changed the result to %q", r.Response)
+	}
+
+	c := claim(key)
+	c.Discard = []byte("unopenable")
+	r = reserve(t, s, c)
+	want(t, r, store.Won)
+	if r.TookOver {
+		t.Error("TookOver = true for a discarded result; it reports abandoned claims only")
+	}
+	// The discarded result is gone for everyone: the new claim holds the key.
+	again := claim(key)
+	again.Discard = []byte("unopenable")
+	want(t, reserve(t, s, again), store.Pending)
+	if err := s.Complete(ctx, key, c.Owner, []byte("fresh"), time.Minute); err != nil {
+		t.Fatalf("Complete by the claim that replaced the result: %v", err)
+	}
+	r = reserve(t, s, claim(key))
+	want(t, r, store.Completed)
+	if string(r.Response) != "fresh" {
+		t.Errorf("response = %q, want the new claim's", r.Response)
+	}
+
+	// A pending claim is never discarded, whatever the bytes.
+	p := claim(token())
+	want(t, reserve(t, s, p), store.Won)
+	d := claim(p.Key)
+	d.Discard = []byte{}
+	want(t, reserve(t, s, d), store.Pending)
+}
+
+func testConcurrentDiscard(t *testing.T, s store.Store) {
+	ctx := context.Background()
+	key := token()
+	first := claim(key)
+	want(t, reserve(t, s, first), store.Won)
+	if err := s.Complete(ctx, key, first.Owner, []byte("unopenable"), time.Minute); err != nil {
+		t.Fatal(err)
+	}
+	var wins atomic.Int32
+	var wg sync.WaitGroup
+	errs := make(chan error, 20)
+	for range 20 {
+		wg.Go(func() {
+			c := claim(key)
+			c.Discard = []byte("unopenable")
+			r, err := s.Reserve(ctx, c)
+			switch {
+			case err != nil:
+				errs <- err
+			case r.State == store.Won:
+				wins.Add(1)
+			case r.State != store.Pending && r.State != store.Completed:
+				errs <- errors.New("state " + r.State.String())
+			}
+		})
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatalf("Reserve with Discard: %v", err)
+	}
+	if n := wins.Load(); n != 1 {
+		t.Fatalf("%d of 20 concurrent reserves discarding one result won, want exactly 1", n)
+	}
 }

@@ -1,6 +1,6 @@
 // Package redistest runs real redis-server processes for tests: a
 // standalone server that can be stopped and started again on the same
-// port, a Redis Cluster, and a Sentinel.
+// port, a primary with replicas, a Redis Cluster, and Sentinels.
 //
 // When redis-server is not installed a test is skipped, except under CI
 // (CI=true), where a missing dependency fails it.
@@ -10,6 +10,7 @@ import (
 	"bufio"
 	"errors"
 	"fmt"
+	"github.com/idemcp/idemcp/internal/freeport"
 	"io"
 	"net"
 	"os"
@@ -18,6 +19,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -63,8 +65,44 @@ type Server struct {
 func Start(tb testing.TB, extra ...string) *Server {
 	tb.Helper()
 	return launch(tb, "redis", func(dir string) []string {
-		return append(baseArgs(tb, dir), extra...)
+		return append(confArgs(tb, dir, ""), extra...)
 	})
+}
+
+// StartReplica runs a redis-server that replicates primary, with extra
+// arguments as Start, and waits until its first sync is done. Its
+// replicaof is in its configuration file, which Sentinel rewrites when it
+// promotes or repoints it, so a restarted server keeps its role.
+func StartReplica(tb testing.TB, primary *Server, extra ...string) *Server {
+	tb.Helper()
+	host, port, err := net.SplitHostPort(primary.Addr)
+	if err != nil {
+		tb.Fatalf("primary address %q: %v", primary.Addr, err)
+	}
+	r := launch(tb, "replica", func(dir string) []string {
+		return append(confArgs(tb, dir, fmt.Sprintf("replicaof %s %s\n", host, port)), extra...)
+	})
+	deadline := time.Now().Add(startTimeout)
+	for {
+		info, err := Do(r.Addr, "INFO", "replication")
+		if err == nil && strings.Contains(info, "master_link_status:up") {
+			return r
+		}
+		if time.Now().After(deadline) {
+			tb.Fatalf("replica %s did not sync with %s within %v: %v\n%s", r.Addr, primary.Addr, startTimeout, err, info)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// confArgs writes a configuration file holding conf (which CONFIG REWRITE
+// may rewrite) and returns the arguments that start a server with it.
+func confArgs(tb testing.TB, dir, conf string) []string {
+	path := filepath.Join(dir, "redis.conf")
+	if err := os.WriteFile(path, []byte(conf), 0o600); err != nil {
+		tb.Fatalf("writing %s: %v", path, err)
+	}
+	return append([]string{path}, baseArgs(tb, dir)...)
 }
 
 func baseArgs(tb testing.TB, dir string) []string {
@@ -73,6 +111,9 @@ func baseArgs(tb testing.TB, dir string) []string {
 		"--bind", "127.0.0.1",
 		"--save", "",
 		"--appendonly", "no",
+		// A replica's full sync starts at once, not after Redis's default
+		// 5s wait for more replicas to share it.
+		"--repl-diskless-sync-delay", "0",
 		"--daemonize", "no",
 		"--dir", dir,
 		"--logfile", filepath.Join(dir, "redis.log"),
@@ -112,12 +153,7 @@ func argValue(args []string, name string) string {
 // freePort returns a loopback port that was free a moment ago.
 func freePort(tb testing.TB) int {
 	tb.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		tb.Fatalf("finding a free port: %v", err)
-	}
-	defer func() { _ = l.Close() }()
-	return l.Addr().(*net.TCPAddr).Port
+	return freeport.LoopbackPort(tb)
 }
 
 // Start brings a stopped server up again on the same port.
@@ -175,6 +211,42 @@ func (s *Server) Stop() {
 	_ = s.proc.Kill()
 	<-s.exited
 	s.proc, s.exited = nil, nil
+}
+
+// PID is the process id while the server runs, else 0.
+func (s *Server) PID() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.proc == nil {
+		return 0
+	}
+	return s.proc.Pid
+}
+
+// Pause stops the server with SIGSTOP, as a stalled VM or a long fork
+// would: connections stay open and nothing answers. Resume continues it.
+func (s *Server) Pause() {
+	s.tb.Helper()
+	if err := s.signal(syscall.SIGSTOP); err != nil {
+		s.tb.Errorf("pausing redis at %s: %v", s.Addr, err)
+	}
+}
+
+// Resume continues a paused server.
+func (s *Server) Resume() {
+	s.tb.Helper()
+	if err := s.signal(syscall.SIGCONT); err != nil {
+		s.tb.Errorf("resuming redis at %s: %v", s.Addr, err)
+	}
+}
+
+func (s *Server) signal(sig syscall.Signal) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.proc == nil {
+		return errors.New("not running")
+	}
+	return s.proc.Signal(sig)
 }
 
 func (s *Server) logTail() string {
@@ -245,6 +317,14 @@ func StartCluster(tb testing.TB, n int) *Cluster {
 // ends.
 func StartSentinel(tb testing.TB, master *Server, name string) *Server {
 	tb.Helper()
+	return StartSentinelWith(tb, master, name, time.Second)
+}
+
+// StartSentinelWith is StartSentinel with the time after which Sentinel
+// holds an unanswering master down and fails it over
+// (down-after-milliseconds; Sentinel's own default is 30s).
+func StartSentinelWith(tb testing.TB, master *Server, name string, downAfter time.Duration) *Server {
+	tb.Helper()
 	host, port, err := net.SplitHostPort(master.Addr)
 	if err != nil {
 		tb.Fatalf("master address %q: %v", master.Addr, err)
@@ -252,7 +332,8 @@ func StartSentinel(tb testing.TB, master *Server, name string) *Server {
 	return launch(tb, "sentinel", func(dir string) []string {
 		// Sentinel rewrites its configuration file, so it gets its own.
 		conf := filepath.Join(dir, "sentinel.conf")
-		body := fmt.Sprintf("sentinel monitor %s %s %s 1\nsentinel down-after-milliseconds %s 1000\n", name, host, port, name)
+		body := fmt.Sprintf("sentinel monitor %s %s %s 1\nsentinel down-after-milliseconds %s %d\nsentinel failover-timeout %s %d\n",
+			name, host, port, name, downAfter.Milliseconds(), name, max(3*downAfter, 3*time.Second).Milliseconds())
 		if err := os.WriteFile(conf, []byte(body), 0o600); err != nil {
 			tb.Fatalf("writing %s: %v", conf, err)
 		}
@@ -261,7 +342,8 @@ func StartSentinel(tb testing.TB, master *Server, name string) *Server {
 }
 
 // Do sends one command to addr on a fresh connection and returns the
-// reply as text (a bulk string, a status or an integer). It needs no
+// reply as text (a bulk string, a status or an integer; the elements of an
+// array of those, one per line). It needs no
 // client library, so the helpers work before any client is set up.
 func Do(addr string, args ...string) (string, error) {
 	conn, err := net.DialTimeout("tcp", addr, time.Second)
@@ -278,7 +360,10 @@ func Do(addr string, args ...string) (string, error) {
 	if _, err := conn.Write([]byte(b.String())); err != nil {
 		return "", err
 	}
-	r := bufio.NewReader(conn)
+	return readReply(bufio.NewReader(conn))
+}
+
+func readReply(r *bufio.Reader) (string, error) {
 	line, err := r.ReadString('\n')
 	if err != nil {
 		return "", err
@@ -302,6 +387,20 @@ func Do(addr string, args ...string) (string, error) {
 			return "", err
 		}
 		return string(buf[:n]), nil
+	case '*':
+		n, err := strconv.Atoi(line[1:])
+		if err != nil {
+			return "", fmt.Errorf("array reply %q", line)
+		}
+		elems := make([]string, 0, max(n, 0))
+		for range n {
+			e, err := readReply(r)
+			if err != nil {
+				return "", err
+			}
+			elems = append(elems, e)
+		}
+		return strings.Join(elems, "\n"), nil
 	}
 	return "", fmt.Errorf("unsupported reply %q", line)
 }

@@ -9,6 +9,8 @@
 //   - CRASH_TOOL: a call to this tool runs (and is counted), then the
 //     server exits with CRASH_CODE (default 3) before answering, as a
 //     server that crashes mid-call does.
+//   - LINGER=1: the server does not exit when its stdin closes, as many
+//     servers do not; a signal ends it.
 package main
 
 import (
@@ -17,6 +19,7 @@ import (
 	"os"
 	"strconv"
 	"sync"
+	"time"
 
 	"github.com/modelcontextprotocol/go-sdk/mcp"
 
@@ -59,6 +62,11 @@ func main() {
 	if err := s.MCP.Run(context.Background(), &mcp.StdioTransport{}); err != nil {
 		fmt.Fprintf(os.Stderr, "stdioserver: %v\n", err)
 		os.Exit(1)
+	}
+	if os.Getenv("LINGER") == "1" {
+		for { // until a signal's default action ends the process
+			time.Sleep(time.Hour)
+		}
 	}
 }
 

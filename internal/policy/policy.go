@@ -4,6 +4,7 @@
 package policy
 
 import (
+	"bytes"
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
@@ -12,16 +13,20 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"reflect"
 	"regexp"
+	"slices"
 	"strings"
 	"sync"
 	"time"
 
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	sigsjson "sigs.k8s.io/json"
 	"sigs.k8s.io/yaml"
 
 	"github.com/idemcp/idemcp/api/v1alpha1"
+	"github.com/idemcp/idemcp/internal/suggest"
 	"github.com/idemcp/idemcp/sidecar/canonical"
 )
 
@@ -36,6 +41,19 @@ const (
 	MinTTL = time.Second
 	MaxTTL = 30 * 24 * time.Hour
 )
+
+// RedisKeyPrefix is the prefix of a policy's records in Redis. The webhook
+// gives it to every sidecar it injects for the policy; a sidecar run by
+// hand adds its upstream to it (see the sidecar's --redis-key-prefix).
+func RedisKeyPrefix(namespace, name string) string {
+	if namespace == "" {
+		namespace = "default"
+	}
+	if name == "" {
+		name = "default"
+	}
+	return "idemcp:" + namespace + "/" + name + ":"
+}
 
 // maxCachedTools bounds the per-name rule cache: tool names come from
 // clients, so an unbounded cache would be a memory leak on demand.
@@ -130,7 +148,7 @@ func Default() *Policy {
 
 // LoadFile reads an IdempotencyPolicy manifest (what users kubectl apply)
 // and compiles its spec. Unknown fields are errors, so a typo is caught
-// here rather than silently ignored.
+// here rather than silently ignored (see Parse).
 func LoadFile(path string) (*Policy, error) {
 	data, err := os.ReadFile(path)
 	if err != nil {
@@ -140,23 +158,210 @@ func LoadFile(path string) (*Policy, error) {
 }
 
 // Parse compiles an IdempotencyPolicy manifest given as YAML or JSON.
+// Every problem is reported at once, each with its path in the manifest:
+// unknown fields (with the field that was probably meant), fields of spec
+// written without the spec: wrapper, and every invalid value of the spec.
 func Parse(data []byte) (*Policy, error) {
-	var obj v1alpha1.IdempotencyPolicy
-	if err := yaml.UnmarshalStrict(data, &obj); err != nil {
+	j, err := yaml.YAMLToJSONStrict(data)
+	if err != nil {
 		return nil, fmt.Errorf("policy does not parse: %w", err)
 	}
+	j = bytes.TrimSpace(j)
+	if len(j) == 0 || string(j) == "null" {
+		return nil, errors.New("the policy is empty; write an IdempotencyPolicy manifest: apiVersion: " + v1alpha1.GroupVersion.String() + ", kind: IdempotencyPolicy and its settings under spec:, " + example)
+	}
+	if j[0] != '{' {
+		return nil, fmt.Errorf("the policy is %s, not a mapping; write an IdempotencyPolicy manifest: apiVersion: %s, kind: IdempotencyPolicy and its settings under spec:, %s", jsonKind(j[0]), v1alpha1.GroupVersion, example)
+	}
+	var obj v1alpha1.IdempotencyPolicy
+	strict, err := sigsjson.UnmarshalStrict(j, &obj)
+	if err != nil {
+		return nil, fmt.Errorf("policy does not parse: %w", typeError(err))
+	}
+	var errs, misplaced []string
+	for _, se := range strict {
+		var fe sigsjson.FieldError
+		if !errors.As(se, &fe) {
+			errs = append(errs, se.Error())
+			continue
+		}
+		path := fe.FieldPath()
+		if !strings.HasPrefix(se.Error(), "unknown field") {
+			errs = append(errs, path+": is given twice")
+			continue
+		}
+		if !strings.ContainsAny(path, ".[") && slices.Contains(fieldsAt(reflect.TypeFor[v1alpha1.IdempotencyPolicySpec](), ""), path) {
+			misplaced = append(misplaced, path)
+			continue
+		}
+		msg := path + ": unknown field"
+		if s := suggest.Closest(lastName(path), fieldsAt(reflect.TypeFor[v1alpha1.IdempotencyPolicy](), parentPath(path))); s != "" {
+			msg += fmt.Sprintf("; did you mean %q?", s)
+		}
+		errs = append(errs, msg)
+	}
+	if len(misplaced) > 0 {
+		errs = append([]string{fmt.Sprintf("%s: fields of spec written at the top of the manifest; put them under spec: (apiVersion: %s, kind: IdempotencyPolicy, spec: {%s: ...})",
+			strings.Join(misplaced, ", "), v1alpha1.GroupVersion, misplaced[0])}, errs...)
+	}
 	if obj.Kind != "" && obj.Kind != "IdempotencyPolicy" {
-		return nil, fmt.Errorf("kind: %q is not IdempotencyPolicy", obj.Kind)
+		errs = append(errs, fmt.Sprintf("kind: %q is not IdempotencyPolicy", obj.Kind))
 	}
 	if obj.APIVersion != "" && obj.APIVersion != v1alpha1.GroupVersion.String() {
-		return nil, fmt.Errorf("apiVersion: %q is not %s", obj.APIVersion, v1alpha1.GroupVersion)
+		errs = append(errs, fmt.Sprintf("apiVersion: %q is not %s", obj.APIVersion, v1alpha1.GroupVersion))
 	}
 	p, err := Compile(obj.Spec)
 	if err != nil {
-		return nil, err
+		errs = append(errs, strings.Split(err.Error(), "\n")...)
+	}
+	if len(errs) > 0 {
+		return nil, problems(errs)
 	}
 	p.Name, p.Namespace = obj.Name, obj.Namespace
 	return p, nil
+}
+
+const example = `for example spec: {ttl: 24h, tools: [{name: "charge_*", mode: Deduplicate}]}; see config/samples`
+
+// problems is every problem of a policy, one per line when there are
+// several.
+type problems []string
+
+func (p problems) Error() string {
+	if len(p) == 1 {
+		return p[0]
+	}
+	return fmt.Sprintf("%d problems:\n  %s", len(p), strings.Join(p, "\n  "))
+}
+
+func jsonKind(first byte) string {
+	switch first {
+	case '[':
+		return "a list"
+	case '"':
+		return "a string"
+	default:
+		return "a single value"
+	}
+}
+
+var typeErr = regexp.MustCompile(`cannot unmarshal (\w+) into Go struct field \w+\.(\S+) of type (\S+)`)
+
+// typeError says in the manifest's terms which field has a value of the
+// wrong kind.
+func typeError(err error) error {
+	m := typeErr.FindStringSubmatch(err.Error())
+	if m == nil {
+		return err
+	}
+	want := "a " + m[3]
+	switch {
+	case strings.HasPrefix(m[3], "[]"):
+		want = "a list"
+	case strings.HasPrefix(m[3], "map[") || strings.HasPrefix(m[3], "v1alpha1.") || strings.HasPrefix(m[3], "*v1alpha1."):
+		want = "a mapping"
+	case m[3] == "bool":
+		want = "true or false"
+	case strings.HasPrefix(m[3], "int") || strings.HasPrefix(m[3], "uint"):
+		want = "a whole number"
+	}
+	if strings.HasPrefix(m[3], "v1alpha1.") && !strings.Contains(m[3], "Spec") && !strings.Contains(m[3], "Config") {
+		want = "a string" // the enums: ToolMode, KeyScope, ...
+	}
+	got := m[1]
+	if got == "object" {
+		got = "mapping" // YAML's word for it
+	}
+	return fmt.Errorf("%s: got %s %s, want %s", m[2], article(got), got, want)
+}
+
+func article(word string) string {
+	if strings.ContainsRune("aeiou", rune(word[0])) {
+		return "an"
+	}
+	return "a"
+}
+
+func parentPath(path string) string {
+	if i := strings.LastIndex(path, "."); i >= 0 {
+		return path[:i]
+	}
+	return ""
+}
+
+func lastName(path string) string {
+	return path[strings.LastIndex(path, ".")+1:]
+}
+
+// fieldsAt lists the JSON names of the fields of the object at path (such
+// as spec.tools[1]) in a value of type t, for "did you mean" hints.
+func fieldsAt(t reflect.Type, path string) []string {
+	for _, name := range strings.Split(path, ".") {
+		if name == "" {
+			continue
+		}
+		name, _, _ = strings.Cut(name, "[")
+		t = fieldType(deref(t), name)
+		if t == nil {
+			return nil
+		}
+		for t = deref(t); t.Kind() == reflect.Slice || t.Kind() == reflect.Map; t = deref(t.Elem()) {
+		}
+	}
+	var names []string
+	collectFields(deref(t), &names)
+	return names
+}
+
+func deref(t reflect.Type) reflect.Type {
+	for t.Kind() == reflect.Pointer {
+		t = t.Elem()
+	}
+	return t
+}
+
+func jsonName(f reflect.StructField) (name string, inline bool) {
+	tag := f.Tag.Get("json")
+	name, opts, _ := strings.Cut(tag, ",")
+	if tag == "-" {
+		return "", false
+	}
+	return name, f.Anonymous || strings.Contains(opts, "inline")
+}
+
+func fieldType(t reflect.Type, name string) reflect.Type {
+	if t.Kind() != reflect.Struct {
+		return nil
+	}
+	for i := range t.NumField() {
+		f := t.Field(i)
+		n, inline := jsonName(f)
+		if n == name && n != "" {
+			return f.Type
+		}
+		if inline && n == "" {
+			if ft := fieldType(deref(f.Type), name); ft != nil {
+				return ft
+			}
+		}
+	}
+	return nil
+}
+
+func collectFields(t reflect.Type, names *[]string) {
+	if t.Kind() != reflect.Struct {
+		return
+	}
+	for i := range t.NumField() {
+		f := t.Field(i)
+		n, inline := jsonName(f)
+		switch {
+		case inline && n == "":
+			collectFields(deref(f.Type), names)
+		case n != "":
+			*names = append(*names, n)
+		}
+	}
 }
 
 // Compile applies defaults to a spec, validates it and compiles its rules.
@@ -303,11 +508,24 @@ func validate(s *v1alpha1.IdempotencyPolicySpec) error {
 		}
 	}
 	ttl("ttl", s.TTL.Duration)
-	oneOf("store.type", string(s.Store.Type), "Memory", "Redis")
+	oneOf("store.type", string(s.Store.Type), "Memory", "Redis", "Postgres")
+	if s.Store.Postgres != nil && s.Store.Type != v1alpha1.StorePostgres {
+		bad("store.postgres", "goes only with type Postgres; set type: Postgres or remove store.postgres")
+	}
 	switch s.Store.Type {
 	case v1alpha1.StoreMemory:
 		if s.Store.Redis != nil {
 			bad("store.redis", "type Memory takes no store.redis; set type: Redis or remove store.redis")
+		}
+	case v1alpha1.StorePostgres:
+		// The URL holds a password, so it never is in the policy: a sidecar
+		// gets it from a Secret (store.postgres.urlSecretRef, which the
+		// CRD requires) or from --postgres-url.
+		if s.Store.Redis != nil {
+			bad("store.redis", "type Postgres takes no store.redis; remove store.redis")
+		}
+		if pg := s.Store.Postgres; pg != nil && (pg.URLSecretRef.Name == "" || pg.URLSecretRef.Key == "") {
+			bad("store.postgres.urlSecretRef", "needs the name and key of the Secret holding the connection string")
 		}
 	case v1alpha1.StoreRedis:
 		r := s.Store.Redis
@@ -369,4 +587,17 @@ func validate(s *v1alpha1.IdempotencyPolicySpec) error {
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// LongestTTL is the longest time a result of this policy is kept: its TTL
+// or a tool rule's, whichever is longer.
+func (p *Policy) LongestTTL() time.Duration {
+	d := p.TTL
+	for _, r := range p.rules {
+		d = max(d, r.rule.TTL)
+	}
+	if p.fallback != nil {
+		d = max(d, p.fallback.TTL)
+	}
+	return d
 }

@@ -112,11 +112,21 @@ func TestInvalid(t *testing.T) {
 		name, yaml, want string
 	}{
 		{"not yaml", "spec: [", "does not parse"},
-		{"unknown field", "spec: {tll: 1h}", `unknown field "tll"`},
+		{"unknown field", "spec: {tll: 1h}", `spec.tll: unknown field; did you mean "ttl"?`},
+		{"unknown field of a rule", "spec: {tools: [{name: a}, {name: b, mod: Passthrough}]}", `spec.tools[1].mod: unknown field; did you mean "mode"?`},
+		{"letter case", "spec: {TTL: 1h}", `spec.TTL: unknown field; did you mean "ttl"?`},
+		{"no spec wrapper", "ttl: 1h\ntools: [{name: a}]", "tools, ttl: fields of spec written at the top of the manifest; put them under spec:"},
+		{"empty", "", "the policy is empty; write an IdempotencyPolicy manifest: apiVersion: idemcp.io/v1alpha1, kind: IdempotencyPolicy and its settings under spec:"},
+		{"only comments", "# nothing yet\n", "the policy is empty"},
+		{"a list", "- spec: {}", "the policy is a list, not a mapping"},
+		{"wrong type", "spec: {tools: {name: a}}", "spec.tools: got a mapping, want a list"},
+		{"duplicate key", "spec: {ttl: 1h, ttl: 2h}", `key "ttl" already set`},
 		{"ttl too long", "spec: {ttl: 800h}", "spec.ttl: 800h0m0s is outside 1s..720h"},
 		{"ttl too short", "spec: {ttl: 10ms}", "spec.ttl"},
 		{"bad duration", "spec: {ttl: soon}", "soon"},
-		{"store type", "spec: {store: {type: Postgres}}", `spec.store.type: "Postgres" is not one of Memory, Redis`},
+		{"store type", "spec: {store: {type: Mongo}}", `spec.store.type: "Mongo" is not one of Memory, Redis, Postgres`},
+		{"postgres on memory", "spec: {store: {type: Memory, postgres: {urlSecretRef: {name: pg, key: url}}}}", `spec.store.postgres: goes only with type Postgres`},
+		{"postgres with redis", "spec: {store: {type: Postgres, redis: {managed: {}}}}", `spec.store.redis: type Postgres takes no store.redis`},
 		{"memory with redis", "spec: {store: {type: Memory, redis: {managed: {}}}}", "spec.store.redis: type Memory takes no store.redis"},
 		{"redis without config", "spec: {store: {type: Redis}}", "spec.store.redis: type Redis needs exactly one"},
 		{"redis both", "spec: {store: {type: Redis, redis: {managed: {}, external: {addresses: [a:1]}}}}", "exactly one"},
@@ -144,6 +154,36 @@ func TestInvalid(t *testing.T) {
 				t.Errorf("error %q does not contain %q", err, tt.want)
 			}
 		})
+	}
+}
+
+// TestEveryProblemAtOnce: a policy with several typos and bad values gets
+// one error that lists each, with its path.
+func TestEveryProblemAtOnce(t *testing.T) {
+	_, err := Parse([]byte(`apiVersion: idemcp.io/v1alpha1
+kind: IdempotencyPolicy
+metdata: {name: payments}
+spec:
+  tll: 24h
+  keyScope: User
+  tools:
+  - name: charge_*
+    mode: Deduplicate
+  - name: get_*
+    mod: Passthrough
+    ignoreArgs: [/a]
+`))
+	if err == nil {
+		t.Fatal("Parse succeeded")
+	}
+	want := `5 problems:
+  metdata: unknown field; did you mean "metadata"?
+  spec.tll: unknown field; did you mean "ttl"?
+  spec.tools[1].ignoreArgs: unknown field; did you mean "ignoreArguments"?
+  spec.tools[1].mod: unknown field; did you mean "mode"?
+  spec.keyScope: "User" is not one of Session, Principal, Global`
+	if err.Error() != want {
+		t.Errorf("error:\n%s\nwant:\n%s", err, want)
 	}
 }
 

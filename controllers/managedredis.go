@@ -1,0 +1,249 @@
+package controllers
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"strings"
+	"time"
+
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	networkingv1 "k8s.io/api/networking/v1"
+	policyv1 "k8s.io/api/policy/v1"
+	"k8s.io/apimachinery/pkg/api/equality"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/controller/controllerutil"
+
+	"github.com/idemcp/idemcp/api/v1alpha1"
+)
+
+// annotationPasswordReset on the managed Secret records when a lost
+// Secret was replaced by one with a new password: pods created before
+// then hold the old one.
+const annotationPasswordReset = "idemcp.io/password-reset-at"
+
+// replacingRecheck is how often a policy whose old Redis is shutting down
+// looks again.
+const replacingRecheck = 2 * time.Second
+
+func equalObjects(a, b runtime.Object) bool { return equality.Semantic.DeepEqual(a, b) }
+
+func (r *IdempotencyPolicyReconciler) reconcileManagedRedis(ctx context.Context, p *v1alpha1.IdempotencyPolicy, pods *policyPods) (storeState, time.Duration, error) {
+	m := p.Spec.Store.Redis.Managed
+	name := RedisName(p.Name)
+	objMeta := metav1.ObjectMeta{Name: name, Namespace: p.Namespace}
+	st := storeState{endpoint: RedisEndpoint(p)}
+
+	sts := &appsv1.StatefulSet{ObjectMeta: objMeta}
+	stsExists := true
+	if err := r.Get(ctx, client.ObjectKeyFromObject(sts), sts); apierrors.IsNotFound(err) {
+		stsExists = false
+	} else if err != nil {
+		return st, 0, fmt.Errorf("reading StatefulSet %s/%s: %w", p.Namespace, name, err)
+	}
+
+	// The image: the policy's, else the one this Redis already runs, else
+	// the manager's default. A manager upgrade never restarts a Redis.
+	image := m.Image
+	if image == "" && stsExists {
+		image = containerImage(sts.Spec.Template.Spec.Containers)
+	}
+
+	// An earlier idemcp ran Redis without a volume as a Deployment: it
+	// goes first, and the StatefulSet starts only once its pods are gone,
+	// so two Redis never split the records.
+	legacy := &appsv1.Deployment{ObjectMeta: objMeta}
+	if err := r.Get(ctx, client.ObjectKeyFromObject(legacy), legacy); err == nil && metav1.IsControlledBy(legacy, p) {
+		if image == "" {
+			image = containerImage(legacy.Spec.Template.Spec.Containers)
+		}
+		if err := r.deleteOwned(ctx, p, legacy); err != nil {
+			return st, 0, err
+		}
+	} else if err != nil && !apierrors.IsNotFound(err) {
+		return st, 0, fmt.Errorf("reading Deployment %s/%s: %w", p.Namespace, name, err)
+	}
+	if image == "" {
+		image = r.RedisImage
+	}
+	if image == "" {
+		image = DefaultRedisImage
+	}
+	st.image = image
+	if !stsExists {
+		var old corev1.PodList
+		if err := r.List(ctx, &old, client.InNamespace(p.Namespace), client.MatchingLabels(redisSelector(p))); err != nil {
+			return st, 0, fmt.Errorf("listing Redis pods of %s: %w", p.Name, err)
+		}
+		if len(old.Items) > 0 {
+			st.status, st.reason = metav1.ConditionFalse, v1alpha1.ReasonRedisReplacing
+			st.message = fmt.Sprintf("the earlier managed Redis (pod %s) is shutting down; the new StatefulSet %s starts once it is gone, so two never run at once", old.Items[0].Name, name)
+			return st, replacingRecheck, nil
+		}
+		if !m.Ephemeral {
+			if err := r.checkClaim(ctx, p); err != nil {
+				return st, 0, err
+			}
+		}
+	}
+
+	secret, reset, err := r.ensureRedisSecret(ctx, p, stsExists)
+	if err != nil {
+		return st, 0, err
+	}
+	hash := configHash(secret.Data)
+	if err := r.ensure(ctx, p, sts, func() { mutateRedisStatefulSet(sts, p, image, hash) }); err != nil {
+		return st, 0, err
+	}
+	for _, child := range []struct {
+		obj    client.Object
+		mutate func(client.Object)
+	}{
+		{&corev1.Service{ObjectMeta: objMeta}, func(o client.Object) { mutateRedisService(o.(*corev1.Service), p) }},
+		{&policyv1.PodDisruptionBudget{ObjectMeta: objMeta}, func(o client.Object) { mutateRedisPDB(o.(*policyv1.PodDisruptionBudget), p) }},
+		{&networkingv1.NetworkPolicy{ObjectMeta: objMeta}, func(o client.Object) { mutateRedisNetworkPolicy(o.(*networkingv1.NetworkPolicy), p) }},
+	} {
+		if err := r.ensure(ctx, p, child.obj, func() { child.mutate(child.obj) }); err != nil {
+			return st, 0, err
+		}
+	}
+
+	if stale := stalePods(pods, secret, reset); len(stale) > 0 {
+		st.status, st.reason = metav1.ConditionFalse, v1alpha1.ReasonRedisPasswordReset
+		st.message = fmt.Sprintf("the Secret %s was deleted before idemcp protected it, so Redis restarted with a new password; %d pods still hold the old one (%s): restart them (kubectl -n %s rollout restart ...)",
+			name, len(stale), strings.Join(stale, ", "), p.Namespace)
+		return st, 0, nil
+	}
+	if sts.Status.ReadyReplicas > 0 && sts.Status.ObservedGeneration >= sts.Generation {
+		st.status, st.reason = metav1.ConditionTrue, v1alpha1.ReasonRedisAvailable
+		st.message = fmt.Sprintf("managed Redis %s (%s, maxmemory %d bytes) is ready at %s", name, image, redisMaxMemory(redisResources(m)), st.endpoint)
+		if m.Ephemeral {
+			st.message += "; it keeps its data in an emptyDir (ephemeral: true), so a restart of its pod loses stored results and claims in flight"
+		}
+	} else {
+		st.status, st.reason = metav1.ConditionFalse, v1alpha1.ReasonRedisProvisioning
+		st.message = fmt.Sprintf("managed Redis %s has no ready replica yet; see kubectl -n %s describe pods -l app.kubernetes.io/instance=%s", name, p.Namespace, name)
+	}
+	if !secret.DeletionTimestamp.IsZero() {
+		st.message += fmt.Sprintf("; its Secret %s is being deleted and stays, with the same password, while this Redis runs (finalizer %s)", name, v1alpha1.FinalizerInUse)
+	}
+	return st, 0, nil
+}
+
+func containerImage(cs []corev1.Container) string {
+	for _, c := range cs {
+		if c.Name == redisContainer {
+			return c.Image
+		}
+	}
+	return ""
+}
+
+// checkClaim refuses to start a StatefulSet whose volume claim name is
+// already taken by a claim idemcp did not make: the StatefulSet would
+// mount it.
+func (r *IdempotencyPolicyReconciler) checkClaim(ctx context.Context, p *v1alpha1.IdempotencyPolicy) error {
+	var pvc corev1.PersistentVolumeClaim
+	err := r.APIReader.Get(ctx, client.ObjectKey{Namespace: p.Namespace, Name: RedisClaimName(p.Name)}, &pvc)
+	switch {
+	case apierrors.IsNotFound(err):
+		return nil
+	case err != nil:
+		return fmt.Errorf("reading PersistentVolumeClaim %s/%s: %w", p.Namespace, RedisClaimName(p.Name), err)
+	}
+	l := pvc.Labels
+	if l["app.kubernetes.io/managed-by"] == managedBy && l[v1alpha1.LabelPolicy] == p.Name && l[v1alpha1.LabelComponent] == redisComponent {
+		return nil // this policy's own, kept by an earlier StatefulSet
+	}
+	return newConflict("PersistentVolumeClaim", &pvc)
+}
+
+// ensureRedisSecret returns the managed Redis's Secret, creating it with a
+// new password if there is none. It carries a finalizer, so deleting it
+// while Redis runs leaves it in place with the same password. reset is
+// true when a Secret had to be made for a Redis that already ran.
+func (r *IdempotencyPolicyReconciler) ensureRedisSecret(ctx context.Context, p *v1alpha1.IdempotencyPolicy, redisRuns bool) (*corev1.Secret, bool, error) {
+	name := RedisName(p.Name)
+	var secret corev1.Secret
+	err := r.APIReader.Get(ctx, client.ObjectKey{Namespace: p.Namespace, Name: name}, &secret)
+	if err == nil {
+		if !metav1.IsControlledBy(&secret, p) {
+			return nil, false, newConflict("Secret", &secret)
+		}
+		// Secrets made by an earlier idemcp lack the label (the watch sees
+		// only labelled Secrets) and the finalizer.
+		if secret.Labels[v1alpha1.LabelCredentials] != "true" || (secret.DeletionTimestamp.IsZero() && !controllerutil.ContainsFinalizer(&secret, v1alpha1.FinalizerInUse)) {
+			before := secret.DeepCopy()
+			secret.Labels = mergeLabels(secret.Labels, map[string]string{v1alpha1.LabelCredentials: "true"})
+			if secret.DeletionTimestamp.IsZero() {
+				controllerutil.AddFinalizer(&secret, v1alpha1.FinalizerInUse)
+			}
+			if err := r.Patch(ctx, &secret, client.MergeFrom(before)); err != nil {
+				return nil, false, fmt.Errorf("labelling Secret %s/%s: %w", p.Namespace, name, err)
+			}
+		}
+		return &secret, false, nil
+	}
+	if !apierrors.IsNotFound(err) {
+		return nil, false, fmt.Errorf("reading Secret %s/%s: %w", p.Namespace, name, err)
+	}
+	password, err := newRedisPassword()
+	if err != nil {
+		return nil, false, fmt.Errorf("generating the Redis password: %w", err)
+	}
+	labels := redisLabels(p)
+	labels[v1alpha1.LabelCredentials] = "true"
+	secret = corev1.Secret{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: p.Namespace, Labels: labels, Finalizers: []string{v1alpha1.FinalizerInUse}},
+		Type:       corev1.SecretTypeOpaque,
+		Data:       redisSecretData(password),
+	}
+	if redisRuns {
+		secret.Annotations = map[string]string{annotationPasswordReset: time.Now().UTC().Format(time.RFC3339Nano)}
+	}
+	if err := controllerutil.SetControllerReference(p, &secret, r.Scheme); err != nil {
+		return nil, false, err
+	}
+	if err := r.Create(ctx, &secret); err != nil {
+		return nil, false, fmt.Errorf("creating Secret %s/%s: %w", p.Namespace, name, err)
+	}
+	if redisRuns {
+		r.Recorder.Eventf(p, &secret, corev1.EventTypeWarning, v1alpha1.ReasonRedisPasswordReset, "Provision",
+			"Secret %s was lost; made a new password and restarting Redis with it; pods that use this policy need a restart", name)
+	} else {
+		r.Recorder.Eventf(p, &secret, corev1.EventTypeNormal, "Created", "Provision", "Created Secret %s with the Redis password", name)
+	}
+	return &secret, redisRuns, nil
+}
+
+// stalePods are the pods created before the password was reset: their
+// sidecars got the old password.
+func stalePods(pods *policyPods, secret *corev1.Secret, reset bool) []string {
+	at, ok := secret.Annotations[annotationPasswordReset]
+	if !ok && !reset {
+		return nil
+	}
+	since, err := time.Parse(time.RFC3339Nano, at)
+	if err != nil {
+		since = secret.CreationTimestamp.Time
+	}
+	var out []string
+	for _, pod := range pods.live {
+		// Creation times have whole seconds: a pod of the same second as
+		// the reset may hold either password, so it counts as stale.
+		if !pod.CreationTimestamp.After(since) {
+			out = append(out, pod.Name)
+		}
+	}
+	slices.Sort(out)
+	return out
+}
+
+// releaseRedisSecret removes the finalizer from the managed Redis's Secret.
+func (r *IdempotencyPolicyReconciler) releaseRedisSecret(ctx context.Context, p *v1alpha1.IdempotencyPolicy) error {
+	return r.releaseSecret(ctx, p, RedisName(p.Name))
+}

@@ -1,0 +1,227 @@
+package policystream
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"slices"
+	"strings"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/klog/v2"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/log"
+
+	"github.com/idemcp/idemcp/api/v1alpha1"
+)
+
+// tally is what the streams of one policy say, at one moment.
+type tally struct {
+	Version         string
+	Connected       int32
+	Synced          int32
+	RestartRequired int32
+	RestartPods     []string
+	Rejected        int32
+	RejectReason    string
+}
+
+// SidecarsStatus computes status.sidecars and the SidecarsSynced condition
+// from the counts: a pure function, so every reason is tested without a
+// cluster. workloads are what to restart for RestartRequired.
+func SidecarsStatus(namespace string, injected int32, t tally, workloads []string) (v1alpha1.SidecarsStatus, metav1.Condition) {
+	st := v1alpha1.SidecarsStatus{
+		Injected: injected, Connected: t.Connected, Synced: t.Synced, RestartRequired: t.RestartRequired,
+		Ratio: fmt.Sprintf("%d/%d", t.Synced, injected), SyncedHash: t.Version,
+	}
+	c := metav1.Condition{Type: v1alpha1.ConditionSidecarsSynced}
+	unconnected := ""
+	if injected > t.Connected {
+		unconnected = fmt.Sprintf("; %d injected pods hold no stream (starting, or unable to reach the manager) and enforce the policy they last had", injected-t.Connected)
+	}
+	switch {
+	case t.Connected == 0:
+		c.Status, c.Reason = metav1.ConditionTrue, v1alpha1.ReasonNoSidecars
+		c.Message = "no sidecar holds a policy stream" + unconnected
+	case t.RestartRequired > 0:
+		c.Status, c.Reason = metav1.ConditionFalse, v1alpha1.ReasonRestartRequired
+		c.Message = fmt.Sprintf("%d pods applied policy %s but keep the store they started with, because a running sidecar cannot switch stores; until they restart, they and new pods use different stores and a retry that crosses them runs again. Restart them: %s",
+			t.RestartRequired, t.Version, restartCommand(namespace, workloads))
+	case t.Rejected > 0:
+		c.Status, c.Reason = metav1.ConditionFalse, v1alpha1.ReasonPolicyRejected
+		c.Message = fmt.Sprintf("%d sidecars rejected policy %s and keep enforcing their last good policy: %s", t.Rejected, t.Version, t.RejectReason)
+	case t.Synced < t.Connected:
+		c.Status, c.Reason = metav1.ConditionFalse, v1alpha1.ReasonSyncing
+		c.Message = fmt.Sprintf("%d of %d connected sidecars applied policy %s", t.Synced, t.Connected, t.Version)
+	default:
+		c.Status, c.Reason = metav1.ConditionTrue, v1alpha1.ReasonAllSynced
+		c.Message = fmt.Sprintf("%d of %d connected sidecars applied policy %s%s", t.Synced, t.Connected, t.Version, unconnected)
+	}
+	return st, c
+}
+
+func restartCommand(namespace string, workloads []string) string {
+	if len(workloads) == 0 {
+		return "delete their pods"
+	}
+	cmds := make([]string, 0, len(workloads))
+	for _, w := range workloads {
+		if strings.HasPrefix(w, "pod/") {
+			cmds = append(cmds, fmt.Sprintf("kubectl -n %s delete %s", namespace, w))
+			continue
+		}
+		cmds = append(cmds, fmt.Sprintf("kubectl -n %s rollout restart %s", namespace, w))
+	}
+	return strings.Join(cmds, "; ")
+}
+
+// workloadOf names what owns a pod, as kubectl rollout restart takes it.
+func workloadOf(pod *corev1.Pod) string {
+	for _, ref := range pod.OwnerReferences {
+		if ref.Controller == nil || !*ref.Controller {
+			continue
+		}
+		switch ref.Kind {
+		case "ReplicaSet":
+			if h := pod.Labels["pod-template-hash"]; h != "" && strings.HasSuffix(ref.Name, "-"+h) {
+				return "deployment/" + strings.TrimSuffix(ref.Name, "-"+h)
+			}
+			return "replicaset/" + ref.Name
+		case "StatefulSet":
+			return "statefulset/" + ref.Name
+		case "DaemonSet":
+			return "daemonset/" + ref.Name
+		}
+	}
+	return "pod/" + pod.Name
+}
+
+// flush writes the status of every policy whose streams or pods changed
+// since the last flush: one server-side apply per policy, whatever the
+// number of sidecars behind it.
+func (s *Server) flush(ctx context.Context) {
+	type job struct {
+		key        types.NamespacedName
+		generation int64
+		t          tally
+		restart    map[string]bool
+	}
+	var jobs []job
+	s.mu.Lock()
+	for key, st := range s.policies {
+		if !st.dirty || st.snap == nil {
+			continue
+		}
+		st.dirty = false
+		j := job{key: key, generation: st.generation, t: tally{Version: st.snap.version}, restart: map[string]bool{}}
+		for c := range st.streams {
+			j.t.Connected++
+			rep := c.report
+			switch {
+			case rep.Version == st.snap.version && rep.RestartRequired != "":
+				j.t.RestartRequired++
+				j.restart[c.pod] = true
+			case rep.Version == st.snap.version:
+				j.t.Synced++
+			case rep.Error != "" && rep.Nonce != "" && rep.Nonce == c.lastNonce:
+				j.t.Rejected++
+				j.t.RejectReason = rep.Error
+			}
+		}
+		jobs = append(jobs, j)
+	}
+	s.mu.Unlock()
+
+	for _, j := range jobs {
+		var pods corev1.PodList
+		// Read-only: no deep copy of every pod at every flush.
+		if err := s.pods.List(ctx, &pods, client.InNamespace(j.key.Namespace), client.MatchingLabels{v1alpha1.LabelPolicy: j.key.Name}, client.UnsafeDisableDeepCopy); err != nil {
+			s.redo(j.key)
+			log.FromContext(ctx).Error(err, "Counting the pods of a policy failed", "policy", klog.KRef(j.key.Namespace, j.key.Name))
+			continue
+		}
+		var injected int32
+		var workloads []string
+		for i := range pods.Items {
+			p := &pods.Items[i]
+			if p.DeletionTimestamp != nil || p.Status.Phase == corev1.PodSucceeded || p.Status.Phase == corev1.PodFailed {
+				continue
+			}
+			injected++
+			if j.restart[p.Name] {
+				if w := workloadOf(p); !slices.Contains(workloads, w) {
+					workloads = append(workloads, w)
+				}
+			}
+		}
+		slices.Sort(workloads)
+		sidecars, cond := SidecarsStatus(j.key.Namespace, injected, j.t, workloads)
+		if err := s.writeStatus(ctx, j.key, j.generation, sidecars, cond); err != nil {
+			s.redo(j.key)
+			log.FromContext(ctx).Error(err, "Writing the sidecars' status failed", "policy", klog.KRef(j.key.Namespace, j.key.Name))
+		}
+	}
+}
+
+func (s *Server) redo(key types.NamespacedName) {
+	s.mu.Lock()
+	if st := s.policies[key]; st != nil {
+		st.dirty = true
+	}
+	s.mu.Unlock()
+}
+
+// writeStatus applies status.sidecars and the SidecarsSynced condition
+// under the stream's own field manager, unless they are what it last wrote.
+func (s *Server) writeStatus(ctx context.Context, key types.NamespacedName, generation int64, sidecars v1alpha1.SidecarsStatus, cond metav1.Condition) error {
+	cond.ObservedGeneration = generation
+	fingerprint, _ := json.Marshal([]any{sidecars, cond})
+	s.mu.Lock()
+	st := s.policies[key]
+	same := st != nil && st.written == string(fingerprint)
+	s.mu.Unlock()
+	if same {
+		return nil
+	}
+	var current v1alpha1.IdempotencyPolicy
+	if err := s.pods.Get(ctx, key, &current); err != nil {
+		return client.IgnoreNotFound(err)
+	}
+	cond.LastTransitionTime = metav1.NewTime(time.Now())
+	if old := meta.FindStatusCondition(current.Status.Conditions, cond.Type); old != nil && old.Status == cond.Status {
+		cond.LastTransitionTime = old.LastTransitionTime
+	}
+	sc, err := runtime.DefaultUnstructuredConverter.ToUnstructured(&sidecars)
+	if err != nil {
+		return err
+	}
+	cc, err := runtime.DefaultUnstructuredConverter.ToUnstructured(&cond)
+	if err != nil {
+		return err
+	}
+	u := &unstructured.Unstructured{Object: map[string]any{"status": map[string]any{"sidecars": sc, "conditions": []any{cc}}}}
+	u.SetAPIVersion(v1alpha1.GroupVersion.String())
+	u.SetKind("IdempotencyPolicy")
+	u.SetNamespace(key.Namespace)
+	u.SetName(key.Name)
+	err = s.client.Status().Apply(ctx, client.ApplyConfigurationFromUnstructured(u), client.FieldOwner(v1alpha1.FieldManagerPolicyStream), client.ForceOwnership)
+	if apierrors.IsNotFound(err) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("applying the status of %s: %w", key, err)
+	}
+	s.mu.Lock()
+	if st := s.policies[key]; st != nil {
+		st.written = string(fingerprint)
+	}
+	s.mu.Unlock()
+	return nil
+}

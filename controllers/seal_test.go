@@ -1,0 +1,97 @@
+package controllers_test
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	"github.com/idemcp/idemcp/api/v1alpha1"
+	"github.com/idemcp/idemcp/controllers"
+)
+
+func sealKeys(t *testing.T, ns, policy string) ([]string, *corev1.Secret) {
+	t.Helper()
+	var s corev1.Secret
+	if err := k8s.Get(context.Background(), client.ObjectKey{Namespace: ns, Name: controllers.SealName(policy)}, &s); err != nil {
+		t.Fatal(err)
+	}
+	return strings.Fields(string(s.Data[controllers.SealKeysKey])), &s
+}
+
+// TestSealKeyRotation: a rotation never leaves a running sidecar with a
+// result it cannot open: the new key is added for reading, becomes the
+// sealing key once every pod holds it, and the old one goes once no pod
+// seals with it and the TTL has passed.
+func TestSealKeyRotation(t *testing.T) {
+	ctx := context.Background()
+	ns := newNamespace(t)
+	p := managedPolicy(ns, "payments")
+	p.Spec.TTL = &metav1.Duration{Duration: 2 * time.Second}
+	p.Spec.LeaseDuration = &metav1.Duration{Duration: time.Second}
+	if err := k8s.Create(ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	name := client.ObjectKey{Namespace: ns, Name: controllers.SealName("payments")}
+	var secret corev1.Secret
+	eventually(t, "the seal Secret", func() error { return k8s.Get(ctx, name, &secret) })
+	pol := getPolicy(t, ns, "payments")
+	if ref := metav1.GetControllerOf(&secret); ref == nil || ref.UID != pol.UID {
+		t.Errorf("the seal Secret is not owned by the policy: %v", secret.OwnerReferences)
+	}
+	if !slices.Contains(secret.Finalizers, v1alpha1.FinalizerInUse) {
+		t.Errorf("the seal Secret has no finalizer %s: deleting it would lose every stored result", v1alpha1.FinalizerInUse)
+	}
+	first, _ := sealKeys(t, ns, "payments")
+	if len(first) != 1 {
+		t.Fatalf("keys = %d, want 1", len(first))
+	}
+
+	// A pod that read the Secret before the rotation.
+	time.Sleep(1100 * time.Millisecond) // creation times have whole seconds
+	old := injectedPod(t, ns, "old", "payments", nil, true)
+	time.Sleep(1100 * time.Millisecond)
+
+	before := secret.DeepCopy()
+	if secret.Annotations == nil {
+		secret.Annotations = map[string]string{}
+	}
+	secret.Annotations[controllers.AnnotationRotateSealKey] = "now"
+	if err := k8s.Patch(ctx, &secret, client.MergeFrom(before)); err != nil {
+		t.Fatal(err)
+	}
+	var staged []string
+	eventually(t, "the new key added for opening", func() error {
+		staged, _ = sealKeys(t, ns, "payments")
+		if len(staged) != 2 || staged[0] != first[0] {
+			return fmt.Errorf("keys %d, first unchanged %v", len(staged), len(staged) > 0 && staged[0] == first[0])
+		}
+		return nil
+	})
+	// The old pod cannot open results sealed with the new key: it stays
+	// the opening key only.
+	time.Sleep(2 * time.Second)
+	if keys, s := sealKeys(t, ns, "payments"); keys[0] != first[0] || s.Annotations[controllers.AnnotationRotateSealKey] != "" {
+		t.Fatalf("with a pod from before the rotation running, the new key seals (or the request stays): %v", s.Annotations)
+	}
+
+	// The pod restarts (envtest has no kubelet: it is deleted).
+	if err := k8s.Delete(ctx, old, client.GracePeriodSeconds(0)); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "the new key sealing, then the old one dropped after the TTL", func() error {
+		keys, _ := sealKeys(t, ns, "payments")
+		if len(keys) != 1 || keys[0] != staged[1] {
+			return fmt.Errorf("%d keys, the new one first: %v", len(keys), len(keys) > 0 && keys[0] == staged[1])
+		}
+		return nil
+	})
+	assertEvent(t, ns, "payments", "SealKeyRotation", "now seals")
+	assertEvent(t, ns, "payments", "SealKeyRotation", "dropped the previous seal keys")
+}

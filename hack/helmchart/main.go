@@ -1,0 +1,129 @@
+// Command helmchart writes the Helm chart in dist/chart from the kustomize
+// build of config/default, so the chart and `kubectl apply -k` install the
+// same objects: CRDs go to crds/, everything else to templates/ with the
+// namespace, the image and the manager's replicas made values.
+//
+//	kustomize build config/default | go run ./hack/helmchart -out dist/chart -version 0.1.0
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"regexp"
+	"strings"
+
+	"sigs.k8s.io/yaml"
+)
+
+const (
+	defaultNamespace = "idemcp-system"
+	defaultImage     = "ghcr.io/idemcp/idemcp"
+)
+
+func main() {
+	out := flag.String("out", "dist/chart", "directory of the chart to write (replaced)")
+	version := flag.String("version", "0.1.0", "the chart's version and appVersion")
+	flag.Parse()
+	if err := run(os.Stdin, *out, *version); err != nil {
+		fmt.Fprintf(os.Stderr, "helmchart: %v\n", err)
+		os.Exit(1)
+	}
+}
+
+type meta struct {
+	Kind     string `json:"kind"`
+	Metadata struct {
+		Name string `json:"name"`
+	} `json:"metadata"`
+}
+
+var imageLine = regexp.MustCompile(`(?m)^(\s*image: )` + regexp.QuoteMeta(defaultImage) + `:\S+$`)
+var replicasLine = regexp.MustCompile(`(?m)^(  replicas: )\d+$`)
+
+func run(in io.Reader, out, version string) error {
+	all, err := io.ReadAll(in)
+	if err != nil {
+		return err
+	}
+	if err := os.RemoveAll(out); err != nil {
+		return err
+	}
+	for _, d := range []string{"crds", "templates"} {
+		if err := os.MkdirAll(filepath.Join(out, d), 0o755); err != nil {
+			return err
+		}
+	}
+	n := 0
+	for _, doc := range splitDocs(all) {
+		var m meta
+		if err := yaml.Unmarshal(doc, &m); err != nil {
+			return fmt.Errorf("document %d: %w", n, err)
+		}
+		if m.Kind == "" {
+			continue
+		}
+		n++
+		file := strings.ToLower(m.Kind) + "-" + m.Metadata.Name + ".yaml"
+		switch m.Kind {
+		case "Namespace":
+			// helm install --create-namespace makes it; the chart must not
+			// own the namespace it is installed into.
+			continue
+		case "CustomResourceDefinition":
+			if err := os.WriteFile(filepath.Join(out, "crds", file), doc, 0o644); err != nil {
+				return err
+			}
+			continue
+		}
+		t := string(doc)
+		t = strings.ReplaceAll(t, defaultNamespace, "{{ .Release.Namespace }}")
+		t = imageLine.ReplaceAllString(t, `${1}"{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}"`)
+		if m.Kind == "Deployment" {
+			t = replicasLine.ReplaceAllString(t, `${1}{{ .Values.replicas }}`)
+		}
+		if err := os.WriteFile(filepath.Join(out, "templates", file), []byte(t), 0o644); err != nil {
+			return err
+		}
+	}
+	chart := fmt.Sprintf(`apiVersion: v2
+name: idemcp
+description: Exactly-once MCP tool calls on Kubernetes (generated from config/default by hack/helmchart; do not edit)
+type: application
+version: %s
+appVersion: %q
+`, version, "v"+version)
+	values := `# The image of the manager, also injected as the sidecar.
+image:
+  repository: ` + defaultImage + `
+  # Defaults to the chart's appVersion.
+  tag: ""
+# Manager replicas; one is the leader, the webhook is served by all.
+replicas: 2
+`
+	if err := os.WriteFile(filepath.Join(out, "Chart.yaml"), []byte(chart), 0o644); err != nil {
+		return err
+	}
+	return os.WriteFile(filepath.Join(out, "values.yaml"), []byte(values), 0o644)
+}
+
+func splitDocs(b []byte) [][]byte {
+	var docs [][]byte
+	var cur bytes.Buffer
+	sc := bufio.NewScanner(bytes.NewReader(b))
+	sc.Buffer(make([]byte, 1<<20), 16<<20)
+	for sc.Scan() {
+		if sc.Text() == "---" {
+			docs = append(docs, append([]byte(nil), cur.Bytes()...))
+			cur.Reset()
+			continue
+		}
+		cur.Write(sc.Bytes())
+		cur.WriteByte('\n')
+	}
+	return append(docs, cur.Bytes())
+}

@@ -1,0 +1,88 @@
+package cli
+
+import (
+	"bytes"
+	"errors"
+	"flag"
+	"strings"
+	"testing"
+	"time"
+)
+
+func newSet(t *testing.T) (*Set, *struct {
+	d     time.Duration
+	b     bool
+	n     int64
+	s     string
+	store string
+}) {
+	t.Helper()
+	v := &struct {
+		d     time.Duration
+		b     bool
+		n     int64
+		s     string
+		store string
+	}{}
+	s := New("idemcp test", "Usage: idemcp test")
+	s.DurationVar(&v.d, "shutdown-timeout", 30*time.Second, "how long")
+	s.BoolVar(&v.b, "redis-tls", false, "TLS")
+	s.Int64Var(&v.n, "max-body-bytes", 10, "largest body")
+	s.StringVar(&v.s, "admin-listen", "127.0.0.1:9091", "admin address")
+	s.Var(Choice(&v.store, "", "memory", "redis"), "store", "the store")
+	s.BindEnv("IDEMCP_")
+	return s, v
+}
+
+func TestEnvironment(t *testing.T) {
+	t.Setenv("IDEMCP_SHUTDOWN_TIMEOUT", "5s")
+	t.Setenv("IDEMCP_REDIS_TLS", "true")
+	t.Setenv("IDEMCP_ADMIN_LISTEN", "")   // an empty string value turns it off
+	t.Setenv("IDEMCP_MAX_BODY_BYTES", "") // an empty number is unset
+	t.Setenv("IDEMCP_STORE", "Redis")
+	s, v := newSet(t)
+	if err := s.Parse([]string{"--shutdown-timeout=1m"}); err != nil {
+		t.Fatal(err)
+	}
+	if v.d != time.Minute || !v.b || v.s != "" || v.n != 10 || v.store != "redis" {
+		t.Errorf("values %+v; want the flag over the variable, the variables read, empty numbers ignored", *v)
+	}
+	if s.Source("shutdown-timeout") != "--shutdown-timeout" || s.Source("redis-tls") != "IDEMCP_REDIS_TLS" || s.Source("max-body-bytes") != "" {
+		t.Errorf("sources %q %q %q", s.Source("shutdown-timeout"), s.Source("redis-tls"), s.Source("max-body-bytes"))
+	}
+}
+
+func TestEveryBadVariableAtOnce(t *testing.T) {
+	t.Setenv("IDEMCP_SHUTDOWN_TIMEOUT", "5")
+	t.Setenv("IDEMCP_REDIS_TLS", "yes")
+	t.Setenv("IDEMCP_MAX_BODY_BYTES", "1e9")
+	t.Setenv("IDEMCP_STORE", "mongo")
+	s, _ := newSet(t)
+	err := s.Parse(nil)
+	want := `IDEMCP_MAX_BODY_BYTES: "1e9" is not a whole number
+IDEMCP_REDIS_TLS: "yes" is not a boolean; use true or false (or 1, 0, t, f)
+IDEMCP_SHUTDOWN_TIMEOUT: "5" is not a duration, e.g. 30s
+IDEMCP_STORE: "mongo" is not one of memory, redis`
+	if err == nil || err.Error() != want {
+		t.Errorf("error:\n%v\nwant:\n%s", err, want)
+	}
+}
+
+func TestHelp(t *testing.T) {
+	s, _ := newSet(t)
+	var out bytes.Buffer
+	s.HelpOutput = &out
+	if err := s.Parse([]string{"-h"}); !errors.Is(err, flag.ErrHelp) {
+		t.Fatalf("Parse(-h) = %v, want flag.ErrHelp", err)
+	}
+	for _, want := range []string{"Usage: idemcp test\n", "  --store memory|redis\n", `[default "127.0.0.1:9091"; env IDEMCP_ADMIN_LISTEN]`, "[default 30s; env IDEMCP_SHUTDOWN_TIMEOUT]"} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("help does not contain %q:\n%s", want, out.String())
+		}
+	}
+	// The flags still parse after help was printed.
+	s2, _ := newSet(t)
+	if err := s2.Parse([]string{"--redis-tls", "--store=memory"}); err != nil {
+		t.Errorf("boolean flag without a value: %v", err)
+	}
+}

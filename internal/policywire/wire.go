@@ -1,0 +1,101 @@
+// Package policywire is the policy stream's protocol, shared by the manager
+// (controllers/policystream) and the sidecar (sidecar/policysync).
+//
+// It follows Envoy's xDS: one long-lived HTTPS request per sidecar,
+// full duplex. The manager writes Snapshots, the sidecar writes Reports,
+// each one JSON object per line. A Snapshot is the whole policy at one
+// version (its hash), never a delta; the sidecar answers each with a Report
+// carrying the Snapshot's nonce: an ACK names the version it now enforces,
+// a NACK keeps the version it enforced and says why in Error. The first
+// Report, sent on connect with no nonce, tells a new manager (after a
+// restart or a failover) what the sidecar enforces, so no acknowledgement
+// is lost with the old one.
+package policywire
+
+import (
+	"encoding/json"
+	"fmt"
+
+	"github.com/idemcp/idemcp/api/v1alpha1"
+)
+
+// StreamPath is the path of a policy's stream; the sidecar POSTs to it with
+// its projected token (audience TokenAudience) as a Bearer token.
+func StreamPath(namespace, name string) string {
+	return "/v1/namespaces/" + namespace + "/idempotencypolicies/" + name + "/stream"
+}
+
+// TokenAudience is the audience of the sidecar's projected token.
+const TokenAudience = "idemcp"
+
+// ContentType is the media type of both directions.
+const ContentType = "application/x-ndjson"
+
+// MaxMessageBytes bounds one line in either direction: a policy is at most
+// 256 rules of small strings.
+const MaxMessageBytes = 1 << 20
+
+// Snapshot is the policy at one version, manager to sidecar.
+type Snapshot struct {
+	// Version is the compiled policy's hash (internal/policy Hash): the
+	// same value as status.policyHash.
+	Version string `json:"version"`
+	// Nonce identifies this Snapshot; the Report that answers it carries it.
+	Nonce string `json:"nonce"`
+	// Policy is the IdempotencyPolicy (name, namespace and the spec with
+	// defaults applied). It never holds a Secret: the Redis password reaches
+	// the sidecar as a secretKeyRef env var.
+	Policy *v1alpha1.IdempotencyPolicy `json:"policy"`
+	// CABundle is the PEM of every CA the manager may serve the stream
+	// with: the sidecar adds it to the bundle it got at injection, so a CA
+	// rotation does not cut it off.
+	CABundle string `json:"caBundle,omitempty"`
+}
+
+// Report is the sidecar's answer, sidecar to manager.
+type Report struct {
+	// Version is the policy hash the sidecar enforces now.
+	Version string `json:"version"`
+	// Nonce is the Snapshot this answers; empty on connect.
+	Nonce string `json:"nonce,omitempty"`
+	// Error, when set, makes this a NACK: the sidecar could not apply the
+	// Snapshot and keeps enforcing Version.
+	Error string `json:"error,omitempty"`
+	// RestartRequired, when set, says the applied policy names a store the
+	// sidecar cannot switch to while it runs: it keeps the store it started
+	// with until its pod restarts.
+	RestartRequired string `json:"restartRequired,omitempty"`
+	// UnscopedCalls counts calls forwarded without dedup because they had
+	// neither session nor principal; nil when the sidecar cannot tell.
+	UnscopedCalls *uint64 `json:"unscopedCalls,omitempty"`
+}
+
+// Decode reads one message. Unknown fields are ignored, as in xDS: a
+// policy field this sidecar does not know changes the hash it computes, so
+// such a Snapshot is NACKed for its version rather than half applied.
+func Decode(line []byte, v any) error {
+	if err := json.Unmarshal(line, v); err != nil {
+		return fmt.Errorf("policy stream message does not parse: %w", err)
+	}
+	return nil
+}
+
+// StoreIdentity is what of a store a running sidecar cannot change: the
+// type and how it reaches Redis. Two specs with the same identity share
+// records; managed Redis's image, resources and storage are not part of it.
+func StoreIdentity(s v1alpha1.StoreSpec) string {
+	id := struct {
+		Type     v1alpha1.StoreType      `json:"type"`
+		Managed  bool                    `json:"managed,omitempty"`
+		External *v1alpha1.ExternalRedis `json:"external,omitempty"`
+	}{Type: s.Type}
+	if s.Type == "" {
+		id.Type = v1alpha1.StoreMemory
+	}
+	if s.Redis != nil {
+		id.Managed = s.Redis.Managed != nil
+		id.External = s.Redis.External
+	}
+	b, _ := json.Marshal(id)
+	return string(b)
+}

@@ -1,0 +1,191 @@
+package engine
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/idemcp/idemcp/sidecar/mcpmsg"
+	"github.com/idemcp/idemcp/sidecar/store"
+)
+
+// blockingUpstream is an upstream whose calls run until released, counting
+// how many ran.
+type blockingUpstream struct {
+	ran     atomic.Int32
+	release chan struct{}
+}
+
+func (u *blockingUpstream) forward(context.Context) (Upstream, error) {
+	u.ran.Add(1)
+	<-u.release
+	return Upstream{Status: 200, Response: []byte(`{"jsonrpc":"2.0","id":1,"result":{"content":[]}}`)}, nil
+}
+
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+}
+
+func planFor(t *testing.T, e *Engine, args string, c Caller) *Plan {
+	t.Helper()
+	tc, err := ParseToolCall(json.RawMessage(`{"name":"charge","arguments":` + args + `}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := e.Plan(tc, c)
+	if err != nil || p == nil {
+		t.Fatalf("Plan: %v, %v", p, err)
+	}
+	return p
+}
+
+// Duplicates waiting on one call in flight are bounded per key and per
+// principal: over a bound a call is refused with -32017 and nothing runs;
+// another principal still waits and gets the result.
+func TestWaitersAreBounded(t *testing.T) {
+	e := New(Options{
+		Policy:                 mustPolicy(t, "spec: {defaultMode: Deduplicate, keyScope: Global, waitTimeout: 20s}"),
+		Store:                  store.NewMemory(0),
+		MaxWaitersPerKey:       2,
+		MaxWaitersPerPrincipal: 2,
+	})
+	up := &blockingUpstream{release: make(chan struct{})}
+	mallory := Caller{Principal: "Bearer mallory"}
+	alice := Caller{Principal: "Bearer alice"}
+
+	var wg sync.WaitGroup
+	results := make(chan error, 16)
+	run := func(args string, c Caller) {
+		p := planFor(t, e, args, c)
+		wg.Go(func() {
+			out, err := e.Execute(context.Background(), p, up.forward)
+			if err == nil && out.Kind != Executed && out.Kind != Replayed {
+				err = fmt.Errorf("kind %v", out.Kind)
+			}
+			results <- err
+		})
+	}
+	// Owners of two keys (owners are not waiters).
+	run(`{"n":1}`, mallory)
+	run(`{"n":2}`, mallory)
+	waitFor(t, "both first calls to run", func() bool { return up.ran.Load() == 2 })
+	// Mallory's two duplicates wait; her third is over her bound.
+	run(`{"n":1}`, mallory)
+	run(`{"n":2}`, mallory)
+	waitFor(t, "two waiters", func() bool { return e.Waiting() == 2 })
+	_, err := e.Execute(context.Background(), planFor(t, e, `{"n":2}`, mallory), up.forward)
+	var ee *Error
+	if !errors.As(err, &ee) || ee.Code != mcpmsg.CodeOverloaded || up.ran.Load() != 2 {
+		t.Fatalf("mallory's third waiter: %v (ran %d); want -32017 and nothing run", err, up.ran.Load())
+	}
+	// Alice is not starved by Mallory: she waits on key 1 (its second
+	// waiter), and a third waiter on key 1 is over the key's bound.
+	run(`{"n":1}`, alice)
+	waitFor(t, "alice waiting", func() bool { return e.Waiting() == 3 })
+	_, err = e.Execute(context.Background(), planFor(t, e, `{"n":1}`, Caller{Principal: "Bearer carol"}), up.forward)
+	if !errors.As(err, &ee) || ee.Code != mcpmsg.CodeOverloaded {
+		t.Fatalf("a third waiter on one key: %v; want -32017", err)
+	}
+	close(up.release)
+	wg.Wait()
+	close(results)
+	for err := range results {
+		if err != nil {
+			t.Errorf("a call within the bounds: %v", err)
+		}
+	}
+	if n := up.ran.Load(); n != 2 {
+		t.Errorf("the tool ran %d times, want 2", n)
+	}
+	if n := e.Waiting(); n != 0 {
+		t.Errorf("%d waiters left after every call ended", n)
+	}
+	if n := counter(e.Metrics().OverLimit.WithLabelValues(LimitWaitersPerPrincipal)); n != 1 {
+		t.Errorf(`idemcp_over_limit_total{limit="waiters_per_principal"} = %v, want 1`, n)
+	}
+	if n := counter(e.Metrics().OverLimit.WithLabelValues(LimitWaitersPerKey)); n != 1 {
+		t.Errorf(`idemcp_over_limit_total{limit="waiters_per_key"} = %v, want 1`, n)
+	}
+}
+
+// One principal filling the memory store with cheap distinct calls evicts
+// its own results, never another principal's: every retry of Alice's calls
+// is still a replay after Mallory's flood, in records and in bytes.
+func TestMemoryStoreFairness(t *testing.T) {
+	for _, tt := range []struct {
+		name       string
+		maxEntries int
+		maxBytes   int64
+		aliceBody  int
+	}{
+		{"records", 64, 0, 10},
+		{"bytes", 0, 64 << 10, 2 << 10},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			mem := store.NewMemorySized(tt.maxEntries, tt.maxBytes)
+			t.Cleanup(func() { _ = mem.Close() })
+			e := New(Options{Policy: mustPolicy(t, "spec: {defaultMode: Deduplicate, keyScope: Principal}"), Store: mem})
+			var ran atomic.Int32
+			respond := func(body int) Forward {
+				return func(context.Context) (Upstream, error) {
+					ran.Add(1)
+					resp := fmt.Sprintf(`{"jsonrpc":"2.0","id":1,"result":{"content":[{"type":"text","text":"%s"}]}}`, pad(body))
+					return Upstream{Status: 200, Response: []byte(resp)}, nil
+				}
+			}
+			alice := Caller{Principal: "Bearer alice"}
+			mallory := Caller{Principal: "Bearer mallory"}
+			for i := range 8 {
+				if _, err := e.Execute(context.Background(), planFor(t, e, fmt.Sprintf(`{"order":%d}`, i), alice), respond(tt.aliceBody)); err != nil {
+					t.Fatal(err)
+				}
+			}
+			for i := range 2000 {
+				if _, err := e.Execute(context.Background(), planFor(t, e, fmt.Sprintf(`{"spam":%d}`, i), mallory), respond(10)); err != nil {
+					t.Fatal(err)
+				}
+			}
+			before := ran.Load()
+			for i := range 8 {
+				out, err := e.Execute(context.Background(), planFor(t, e, fmt.Sprintf(`{"order":%d}`, i), alice), respond(tt.aliceBody))
+				if err != nil || out.Kind != Replayed {
+					t.Errorf("alice's retry %d after mallory's flood: %v, %v; want a replay", i, out.Kind, err)
+				}
+			}
+			if n := ran.Load() - before; n != 0 {
+				t.Errorf("alice's retries ran %d calls again", n)
+			}
+			// Mallory's oldest results made the room.
+			out, err := e.Execute(context.Background(), planFor(t, e, `{"spam":0}`, mallory), respond(10))
+			if err != nil || out.Kind != Executed {
+				t.Errorf("mallory's first call after her flood: %v, %v; want it evicted and run again", out.Kind, err)
+			}
+			if tt.maxEntries > 0 && mem.Len() > tt.maxEntries {
+				t.Errorf("store holds %d records, over its bound %d", mem.Len(), tt.maxEntries)
+			}
+			if tt.maxBytes > 0 && mem.Bytes() > tt.maxBytes {
+				t.Errorf("store holds %d bytes, over its bound %d", mem.Bytes(), tt.maxBytes)
+			}
+		})
+	}
+}
+
+func pad(n int) string {
+	b := make([]byte, n)
+	for i := range b {
+		b[i] = 'x'
+	}
+	return string(b)
+}

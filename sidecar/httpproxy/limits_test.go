@@ -1,0 +1,131 @@
+package httpproxy
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"net/http"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
+
+	"github.com/idemcp/idemcp/sidecar/engine"
+	"github.com/idemcp/idemcp/sidecar/mcpmsg"
+)
+
+// A client that opens stream after stream is bounded: per principal (HTTP
+// 429) and in all (HTTP 503), with a JSON-RPC error body, counted; a
+// closed stream frees its slot, and other principals are not starved by
+// one that is over its own bound.
+func TestStreamsAreBounded(t *testing.T) {
+	stop := make(chan struct{})
+	var once sync.Once
+	release := func() { once.Do(func() { close(stop) }) }
+	t.Cleanup(release)
+	upstream := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		// A session's GET stream: open until the test ends it.
+		w.Header().Set("Content-Type", "text/event-stream")
+		w.WriteHeader(http.StatusOK)
+		_, _ = w.Write([]byte(": open\n\n"))
+		w.(http.Flusher).Flush()
+		select {
+		case <-stop:
+		case <-r.Context().Done():
+		}
+	})
+	proxy, e := dedupProxy(t, upstream, "", Options{MaxStreamsPerPrincipal: 2, MaxStreams: 3})
+
+	type stream struct {
+		resp   *http.Response
+		cancel context.CancelFunc
+	}
+	open := func(principal string) stream {
+		t.Helper()
+		ctx, cancel := context.WithCancel(context.Background())
+		req, _ := http.NewRequestWithContext(ctx, http.MethodGet, proxy.URL, nil)
+		req.Header.Set("Accept", "text/event-stream")
+		req.Header.Set("Mcp-Session-Id", "s-"+principal)
+		if principal != "" {
+			req.Header.Set("Authorization", "Bearer "+principal)
+		}
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			cancel()
+			t.Fatalf("GET as %q: %v", principal, err)
+		}
+		if resp.StatusCode == http.StatusOK {
+			// Read the first event: the stream is open through the proxy.
+			if _, err := bufio.NewReader(resp.Body).ReadString('\n'); err != nil {
+				t.Fatalf("reading the stream: %v", err)
+			}
+		}
+		t.Cleanup(func() { cancel(); _ = resp.Body.Close() })
+		return stream{resp, cancel}
+	}
+	refused := func(s stream, status int) {
+		t.Helper()
+		if s.resp.StatusCode != status {
+			t.Fatalf("HTTP %d, want %d", s.resp.StatusCode, status)
+		}
+		var buf strings.Builder
+		sc := bufio.NewScanner(s.resp.Body)
+		for sc.Scan() {
+			if d, ok := strings.CutPrefix(sc.Text(), "data: "); ok {
+				buf.WriteString(d)
+			}
+		}
+		var msg struct {
+			Error struct {
+				Code    int
+				Message string
+			}
+		}
+		if err := json.Unmarshal([]byte(buf.String()), &msg); err != nil || msg.Error.Code != mcpmsg.CodeOverloaded || !strings.Contains(msg.Error.Message, "--max-streams") {
+			t.Fatalf("body %q (%v); want a JSON-RPC error %d naming the flag", buf.String(), err, mcpmsg.CodeOverloaded)
+		}
+		if s.resp.Header.Get("Retry-After") == "" {
+			t.Error("no Retry-After on a refused stream")
+		}
+	}
+
+	a1 := open("alice")
+	open("alice")
+	refused(open("alice"), http.StatusTooManyRequests)
+	open("bob") // bob is not starved by alice
+	refused(open("carol"), http.StatusServiceUnavailable)
+
+	// Alice closes a stream: her slot, and the sidecar's, are free again.
+	a1.cancel()
+	_ = a1.resp.Body.Close()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		s := open("alice")
+		if s.resp.StatusCode == http.StatusOK {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("alice's closed stream never freed its slot (HTTP %d)", s.resp.StatusCode)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	over := e.Metrics().OverLimit
+	if n := counterValue(over.WithLabelValues(engine.LimitStreamsPerPrincipal)); n < 1 {
+		t.Errorf(`idemcp_over_limit_total{limit="streams_per_principal"} = %v, want at least 1`, n)
+	}
+	if n := counterValue(over.WithLabelValues(engine.LimitStreamsTotal)); n < 1 {
+		t.Errorf(`idemcp_over_limit_total{limit="streams_total"} = %v, want at least 1`, n)
+	}
+	release()
+}
+
+func counterValue(c prometheus.Counter) float64 {
+	var m dto.Metric
+	if err := c.Write(&m); err != nil {
+		panic(err)
+	}
+	return m.GetCounter().GetValue()
+}

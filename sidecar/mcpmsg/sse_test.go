@@ -1,0 +1,227 @@
+package mcpmsg
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"io"
+	"strings"
+	"testing"
+	"testing/iotest"
+)
+
+// parsed is what a client sees of an event (Raw aside).
+type parsed struct {
+	Name, Data, ID string
+	HasData, HasID bool
+}
+
+func (p parsed) String() string {
+	return fmt.Sprintf("{name=%q data=%q(%v) id=%q(%v)}", p.Name, p.Data, p.HasData, p.ID, p.HasID)
+}
+
+// readAll parses a stream read through r; an oversized event is skipped
+// with SkipEvent and reported with its whole data. It returns the events,
+// every byte the reader gave back (Raw and skipped bytes), and the error
+// that ended the stream if not io.EOF.
+func readAll(r io.Reader, maxSize int) ([]parsed, []byte, error) {
+	er := NewEventReader(r, maxSize)
+	var evs []parsed
+	var raw bytes.Buffer
+	for {
+		ev, err := er.Next()
+		raw.Write(ev.Raw)
+		if errors.Is(err, ErrEventTooLarge) {
+			var data bytes.Buffer
+			data.Write(ev.Data)
+			if _, serr := er.SkipEvent(&raw, &data); serr != nil {
+				return evs, raw.Bytes(), serr
+			}
+			evs = append(evs, parsed{Data: data.String(), HasData: true})
+			continue
+		}
+		if errors.Is(err, io.EOF) {
+			return evs, raw.Bytes(), nil
+		}
+		if err != nil {
+			return evs, raw.Bytes(), err
+		}
+		if ev.HasData || ev.Name != "" || ev.HasID {
+			evs = append(evs, parsed{ev.Name, string(ev.Data), ev.ID, ev.HasData, ev.HasID})
+		}
+	}
+}
+
+func TestEventReaderSpec(t *testing.T) {
+	for _, tc := range []struct {
+		name, stream string
+		want         []parsed
+	}{
+		{"fields", ": comment\n\nevent: message\nid: 1\ndata: {\"a\":\ndata: 1}\n\n", []parsed{
+			{Name: "message", Data: "{\"a\":\n1}", HasData: true, ID: "1", HasID: true}}},
+		{"CRLF", "event: message\r\ndata: {}\r\n\r\n", []parsed{{Name: "message", Data: "{}", HasData: true}}},
+		{"bare CR", "event: message\rdata: {}\r\rdata: 2\r\r", []parsed{
+			{Name: "message", Data: "{}", HasData: true}, {Data: "2", HasData: true}}},
+		{"mixed endings", "data: 1\r\n\rdata: 2\n\r\ndata: 3\r\r\n", []parsed{
+			{Data: "1", HasData: true}, {Data: "2", HasData: true}, {Data: "3", HasData: true}}},
+		{"no final blank line", "data: 1\n\ndata: {\"id\":1}\n", []parsed{
+			{Data: "1", HasData: true}, {Data: `{"id":1}`, HasData: true}}},
+		{"no final line ending", "data: {\"id\":1}", []parsed{{Data: `{"id":1}`, HasData: true}}},
+		{"BOM", "\xEF\xBB\xBFdata: x\n\n", []parsed{{Data: "x", HasData: true}}},
+		{"BOM only at the start", "data: x\n\n\xEF\xBB\xBFdata: y\n\n", []parsed{{Data: "x", HasData: true}}},
+		{"retry and unknown fields", "retry: 1000\nfoo: bar\ndata:x\n\n", []parsed{{Data: "x", HasData: true}}},
+		{"one space dropped", "data:  two\ndata\ndata:\n\n", []parsed{{Data: " two\n\n", HasData: true}}},
+		{"id with NUL ignored", "id: 7\nid: a\x00b\ndata: x\n\n", []parsed{{Data: "x", HasData: true, ID: "7", HasID: true}}},
+		{"priming event", "id: 42\ndata:\n\n", []parsed{{HasData: true, ID: "42", HasID: true}}},
+		{"field without colon", "event\ndata\n\n", []parsed{{HasData: true}}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			for _, reader := range []struct {
+				name string
+				r    io.Reader
+			}{
+				{"whole", strings.NewReader(tc.stream)},
+				{"byte by byte", iotest.OneByteReader(strings.NewReader(tc.stream))},
+			} {
+				got, raw, err := readAll(reader.r, 1<<20)
+				if err != nil {
+					t.Fatalf("%s: %v", reader.name, err)
+				}
+				if fmt.Sprint(got) != fmt.Sprint(tc.want) {
+					t.Errorf("%s: events %v, want %v", reader.name, got, tc.want)
+				}
+				if string(raw) != tc.stream {
+					t.Errorf("%s: Raw put together is %q, want the stream %q", reader.name, raw, tc.stream)
+				}
+			}
+		})
+	}
+}
+
+func TestEventReaderTornStream(t *testing.T) {
+	boom := errors.New("connection reset")
+	er := NewEventReader(io.MultiReader(strings.NewReader("data: 1\n\ndata: {\"par"), iotest.ErrReader(boom)), 1<<20)
+	if ev, err := er.Next(); err != nil || string(ev.Data) != "1" {
+		t.Fatalf("first event %q, %v", ev.Data, err)
+	}
+	ev, err := er.Next()
+	if !errors.Is(err, boom) || string(ev.Raw) != "data: {\"par" {
+		t.Errorf("torn event: %q, %v; want its bytes and the reader's error", ev.Raw, err)
+	}
+}
+
+func TestEventReaderLastEventID(t *testing.T) {
+	er := NewEventReader(strings.NewReader("id: 1\ndata: a\n\ndata: b\n\nid: 2\n\n"), 1<<20)
+	for range 3 {
+		if _, err := er.Next(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if got := er.LastEventID(); got != "2" {
+		t.Errorf("LastEventID = %q, want 2", got)
+	}
+}
+
+func TestEventReaderOversizedEventIsSkippedWhole(t *testing.T) {
+	big := strings.Repeat("x", 100)
+	stream := "data: 1\n\nevent: message\r\ndata: " + big + "\r\ndata: tail\r\n\r\ndata: 3\n\n"
+	for _, r := range []io.Reader{strings.NewReader(stream), iotest.HalfReader(strings.NewReader(stream))} {
+		got, raw, err := readAll(r, 50)
+		if err != nil {
+			t.Fatal(err)
+		}
+		want := []parsed{{Data: "1", HasData: true}, {Data: big + "\ntail", HasData: true}, {Data: "3", HasData: true}}
+		if fmt.Sprint(got) != fmt.Sprint(want) {
+			t.Errorf("events %v, want %v", got, want)
+		}
+		if string(raw) != stream {
+			t.Errorf("relayed %q, want the stream", raw)
+		}
+	}
+}
+
+// lineEndings writes every line ending of b as nl.
+func lineEndings(b []byte, nl string) []byte {
+	b = bytes.ReplaceAll(b, []byte("\r\n"), []byte("\n"))
+	b = bytes.ReplaceAll(b, []byte("\r"), []byte("\n"))
+	return bytes.ReplaceAll(b, []byte("\n"), []byte(nl))
+}
+
+// chunked returns r's bytes in reads of sizes drawn from seed.
+type chunked struct {
+	b    []byte
+	seed uint64
+}
+
+func (c *chunked) Read(p []byte) (int, error) {
+	if len(c.b) == 0 {
+		return 0, io.EOF
+	}
+	c.seed = c.seed*6364136223846793005 + 1442695040888963407
+	n := min(int(c.seed>>59)+1, len(p), len(c.b)) // 1..32 bytes
+	copy(p, c.b[:n])
+	c.b = c.b[n:]
+	return n, nil
+}
+
+func FuzzSSEParser(f *testing.F) {
+	for _, s := range []string{
+		"event: message\ndata: {\"jsonrpc\":\"2.0\",\"id\":1,\"result\":{}}\n\n",
+		"event: message\r\ndata: {}\r\n\r\n",
+		"event: message\rdata: {}\r\r",
+		"data: {\"id\":1}",
+		"\xEF\xBB\xBF: comment\nretry: 10\nid: a\x00\nevent: endpoint\ndata: /m?s=1\n\n",
+		"id: 1\ndata:\n\n\r\n\rdata:  x\rdata\n\n",
+		"data: " + strings.Repeat("y", 80) + "\r\ndata: z\r\n\r\ndata: after\n\n",
+		"\r\n\r\n\n\r",
+		"\xEF\xBB",
+	} {
+		f.Add([]byte(s), uint64(7))
+	}
+	f.Fuzz(func(t *testing.T, stream []byte, seed uint64) {
+		const large = 1 << 20
+		whole, raw, err := readAll(bytes.NewReader(stream), large)
+		if err != nil {
+			t.Fatalf("reading a whole stream: %v", err)
+		}
+		if !bytes.Equal(raw, stream) {
+			t.Fatalf("Raw put together is %q, want the stream %q", raw, stream)
+		}
+		inChunks, raw, err := readAll(&chunked{b: stream, seed: seed}, large)
+		if err != nil || !bytes.Equal(raw, stream) {
+			t.Fatalf("in chunks: %v, Raw %q", err, raw)
+		}
+		if fmt.Sprint(inChunks) != fmt.Sprint(whole) {
+			t.Fatalf("in chunks %v, whole %v", inChunks, whole)
+		}
+		// A small limit: oversized events are skipped, with the same data.
+		small, raw, err := readAll(&chunked{b: stream, seed: seed}, 16)
+		if err != nil || !bytes.Equal(raw, stream) {
+			t.Fatalf("with a small limit: %v, Raw %q", err, raw)
+		}
+		if a, b := datas(small), datas(whole); a != b {
+			t.Fatalf("data with a small limit %q, without %q", a, b)
+		}
+		// The three line endings mean the same.
+		for _, nl := range []string{"\n", "\r\n", "\r"} {
+			got, _, err := readAll(bytes.NewReader(lineEndings(stream, nl)), large)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if fmt.Sprint(got) != fmt.Sprint(whole) {
+				t.Fatalf("with line endings %q: %v, want %v", nl, got, whole)
+			}
+		}
+	})
+}
+
+// datas lists the non-empty data of events.
+func datas(evs []parsed) string {
+	var out []string
+	for _, ev := range evs {
+		if ev.Data != "" {
+			out = append(out, ev.Data)
+		}
+	}
+	return fmt.Sprintf("%q", out)
+}

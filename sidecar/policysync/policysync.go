@@ -1,0 +1,395 @@
+// Package policysync keeps a sidecar's policy in step with the manager: it
+// holds the manager's policy stream open (internal/policywire), applies each
+// snapshot atomically through the engine, acknowledges the hash it applied
+// or says why it could not, and keeps the last good policy while the
+// manager is away, reconnecting with capped, jittered exponential backoff.
+package policysync
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"crypto/tls"
+	"crypto/x509"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"math/rand/v2"
+	"net/http"
+	"os"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/idemcp/idemcp/internal/policy"
+	"github.com/idemcp/idemcp/internal/policywire"
+)
+
+// Engine is what the client needs of the sidecar's engine.
+type Engine interface {
+	Policy() *policy.Policy
+	SetPolicy(*policy.Policy)
+}
+
+// UnscopedCounter is implemented by an engine that counts calls forwarded
+// without dedup because they had no scope; the count rides on every report.
+type UnscopedCounter interface {
+	UnscopedCalls() uint64
+}
+
+// Options configure a Client.
+type Options struct {
+	// Endpoint is the manager's stream, such as
+	// https://idemcp-policy-stream.idemcp-system.svc:9444.
+	Endpoint string
+	// Namespace and Name of the policy.
+	Namespace, Name string
+	// Token returns the projected token (audience idemcp); it is read
+	// again at every connection, as the kubelet rotates it.
+	Token func() (string, error)
+	// CABundle is the PEM the webhook injected; the manager's certificate
+	// must verify against it or a bundle received on the stream since.
+	CABundle []byte
+	Engine   Engine
+	// StoreIdentity is policywire.StoreIdentity of the store the sidecar
+	// opened at start: a policy naming another store is applied, but the
+	// store stays, and the report says a restart is required.
+	StoreIdentity string
+	Logger        *slog.Logger
+	// Backoff between attempts after a network error or a 503 starts at
+	// MinBackoff and doubles up to MaxBackoff (defaults 200ms, 5s); a
+	// refusal (401, 403, 404) waits RefusedBackoff (default 1m), doubling up
+	// to 10m: a token or label problem is not fixed by retrying at once.
+	MinBackoff, MaxBackoff, RefusedBackoff time.Duration
+	// Transport overrides the HTTP transport (tests, benchmarks).
+	Transport http.RoundTripper
+}
+
+// Client is a running policy sync.
+type Client struct {
+	o   Options
+	log *slog.Logger
+
+	mu        sync.Mutex
+	roots     *x509.CertPool
+	caPEM     [][]byte
+	connected bool
+	sessions  uint64
+	applied   chan string
+}
+
+// New checks the options.
+func New(o Options) (*Client, error) {
+	if o.Endpoint == "" || !strings.HasPrefix(o.Endpoint, "https://") {
+		return nil, fmt.Errorf("policy endpoint %q is not an https:// URL", o.Endpoint)
+	}
+	if o.Namespace == "" || o.Name == "" {
+		return nil, errors.New("policy sync needs the policy's namespace and name")
+	}
+	if o.Token == nil || o.Engine == nil {
+		return nil, errors.New("policy sync needs a token source and an engine")
+	}
+	c := &Client{o: o, log: o.Logger, applied: make(chan string, 1)}
+	if c.log == nil {
+		c.log = slog.New(slog.DiscardHandler)
+	}
+	if len(o.CABundle) > 0 {
+		c.addCAs(o.CABundle)
+		if c.roots == nil {
+			return nil, errors.New("IDEMCP_POLICY_CA holds no PEM certificate")
+		}
+	}
+	setDefault(&c.o.MinBackoff, 200*time.Millisecond)
+	setDefault(&c.o.MaxBackoff, 5*time.Second)
+	setDefault(&c.o.RefusedBackoff, time.Minute)
+	return c, nil
+}
+
+func setDefault(d *time.Duration, def time.Duration) {
+	if *d <= 0 {
+		*d = def
+	}
+}
+
+// TokenFile returns a token source that reads path at every call.
+func TokenFile(path string) func() (string, error) {
+	return func() (string, error) {
+		b, err := os.ReadFile(path)
+		if err != nil {
+			return "", fmt.Errorf("reading the policy stream token: %w", err)
+		}
+		return strings.TrimSpace(string(b)), nil
+	}
+}
+
+// Applied delivers the hash of every policy applied (latest only): tests
+// and benchmarks wait on it.
+func (c *Client) Applied() <-chan string { return c.applied }
+
+// Connected reports whether a stream is open now.
+func (c *Client) Connected() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.connected
+}
+
+// Sessions counts the streams opened so far (answered 200): more than one
+// means the sidecar reconnected.
+func (c *Client) Sessions() uint64 {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.sessions
+}
+
+// addCAs adds every certificate of pem to the trusted roots, keeping the
+// ones already there: a rotated CA joins, the old one stays until restart.
+func (c *Client) addCAs(pem []byte) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for _, known := range c.caPEM {
+		if bytes.Equal(known, pem) {
+			return false
+		}
+	}
+	pool := x509.NewCertPool()
+	for _, known := range c.caPEM {
+		pool.AppendCertsFromPEM(known)
+	}
+	if !pool.AppendCertsFromPEM(pem) {
+		return false
+	}
+	c.caPEM = append(c.caPEM, pem)
+	c.roots = pool
+	return true
+}
+
+// statusError is a non-200 answer.
+type statusError struct {
+	code int
+	body string
+}
+
+func (e *statusError) Error() string {
+	return fmt.Sprintf("the manager answered %d: %s", e.code, strings.TrimSpace(e.body))
+}
+
+func (e *statusError) refused() bool {
+	return e.code == http.StatusUnauthorized || e.code == http.StatusForbidden || e.code == http.StatusNotFound
+}
+
+// Run keeps the stream until ctx ends. It never returns before that: the
+// sidecar enforces its last good policy whatever happens to the manager.
+func (c *Client) Run(ctx context.Context) error {
+	var failures int
+	refused := false
+	for {
+		got, err := c.session(ctx)
+		if ctx.Err() != nil {
+			return nil
+		}
+		if got {
+			failures, refused = 0, false
+		}
+		var se *statusError
+		wasRefused := errors.As(err, &se) && se.refused()
+		if wasRefused != refused {
+			failures = 0
+		}
+		refused = wasRefused
+		base, ceiling := c.o.MinBackoff, c.o.MaxBackoff
+		if refused {
+			base, ceiling = c.o.RefusedBackoff, 10*c.o.RefusedBackoff
+		}
+		wait := backoff(base, ceiling, failures)
+		failures++
+		level := slog.LevelInfo
+		if refused {
+			level = slog.LevelWarn
+		}
+		c.log.Log(ctx, level, "Policy stream ended, keeping the last policy", "policy", c.o.Namespace+"/"+c.o.Name,
+			"enforcing", c.o.Engine.Policy().Hash, "err", errString(err), "retryIn", wait.Round(time.Millisecond).String())
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-time.After(wait):
+		}
+	}
+}
+
+func errString(err error) string {
+	if err == nil {
+		return ""
+	}
+	return err.Error()
+}
+
+// backoff is min(ceiling, base*2^n), with full jitter over its upper half
+// so that sidecars cut off together do not come back together.
+func backoff(base, ceiling time.Duration, n int) time.Duration {
+	d := base
+	for i := 0; i < n && d < ceiling; i++ {
+		d *= 2
+	}
+	d = min(d, ceiling)
+	return d/2 + rand.N(d/2+1)
+}
+
+func (c *Client) transport() http.RoundTripper {
+	if c.o.Transport != nil {
+		return c.o.Transport
+	}
+	c.mu.Lock()
+	roots := c.roots
+	c.mu.Unlock()
+	t := &http.Transport{
+		// Verification is never skipped: with no bundle, the system roots.
+		TLSClientConfig:     &tls.Config{RootCAs: roots, MinVersion: tls.VersionTLS12},
+		ForceAttemptHTTP2:   true,
+		TLSHandshakeTimeout: 10 * time.Second,
+		HTTP2:               &http.HTTP2Config{SendPingTimeout: 15 * time.Second, PingTimeout: 5 * time.Second},
+	}
+	return t
+}
+
+// session runs one stream; got says whether it delivered a snapshot.
+func (c *Client) session(ctx context.Context) (got bool, err error) {
+	token, err := c.o.Token()
+	if err != nil {
+		return false, err
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	pr, pw := io.Pipe()
+	defer func() { _ = pw.Close() }()
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, strings.TrimRight(c.o.Endpoint, "/")+policywire.StreamPath(c.o.Namespace, c.o.Name), pr)
+	if err != nil {
+		return false, err
+	}
+	req.Header.Set("Authorization", "Bearer "+token)
+	req.Header.Set("Content-Type", policywire.ContentType)
+	rt := c.transport()
+	if t, ok := rt.(*http.Transport); ok && c.o.Transport == nil {
+		defer t.CloseIdleConnections()
+	}
+	reports := make(chan policywire.Report, 4)
+	writeErr := make(chan error, 1)
+	go func() {
+		enc := json.NewEncoder(pw)
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case r := <-reports:
+				if err := enc.Encode(r); err != nil {
+					writeErr <- err
+					return
+				}
+			}
+		}
+	}()
+	// The first report says what this sidecar enforces, before any
+	// snapshot: a new leader learns it at once.
+	reports <- c.report("", "", "")
+	resp, err := rt.RoundTrip(req)
+	if err != nil {
+		return false, err
+	}
+	defer func() { _ = resp.Body.Close() }()
+	// Over HTTP/2 a cancelled context does not end a response body while
+	// the request body is still open: close both, or an idle stream
+	// outlives the sidecar's shutdown.
+	stop := context.AfterFunc(ctx, func() {
+		_ = pw.CloseWithError(ctx.Err())
+		_ = resp.Body.Close()
+	})
+	defer stop()
+	if resp.StatusCode != http.StatusOK {
+		body, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
+		return false, &statusError{code: resp.StatusCode, body: string(body)}
+	}
+	c.setConnected(true)
+	defer c.setConnected(false)
+	sc := bufio.NewScanner(resp.Body)
+	sc.Buffer(make([]byte, 0, 16<<10), policywire.MaxMessageBytes)
+	for sc.Scan() {
+		var snap policywire.Snapshot
+		if err := policywire.Decode(sc.Bytes(), &snap); err != nil {
+			reports <- c.report("", "", err.Error())
+			continue
+		}
+		got = true
+		if snap.CABundle != "" && c.addCAs([]byte(snap.CABundle)) {
+			c.log.Info("Trusting the manager's current CA bundle for the next connections")
+		}
+		restart, nack := c.apply(&snap)
+		select {
+		case reports <- c.report(snap.Nonce, restart, nack):
+		case err := <-writeErr:
+			return got, err
+		case <-ctx.Done():
+			return got, ctx.Err()
+		}
+	}
+	if err := sc.Err(); err != nil {
+		return got, err
+	}
+	return got, io.ErrUnexpectedEOF
+}
+
+func (c *Client) setConnected(v bool) {
+	c.mu.Lock()
+	c.connected = v
+	if v {
+		c.sessions++
+	}
+	c.mu.Unlock()
+}
+
+// apply compiles and installs a snapshot. It returns why a restart is
+// required (the store changed), or why the snapshot was refused.
+func (c *Client) apply(snap *policywire.Snapshot) (restart, nack string) {
+	if snap.Policy == nil {
+		return "", "the snapshot holds no policy"
+	}
+	p, err := policy.Compile(snap.Policy.Spec)
+	if err != nil {
+		return "", fmt.Sprintf("policy %s does not compile here: %v", snap.Version, err)
+	}
+	if p.Hash != snap.Version {
+		return "", fmt.Sprintf("policy %s compiles to %s here: the sidecar's version differs from the manager's; roll the pods to the manager's image", snap.Version, p.Hash)
+	}
+	p.Name, p.Namespace = snap.Policy.Name, snap.Policy.Namespace
+	if p.Name != c.o.Name || p.Namespace != c.o.Namespace {
+		return "", fmt.Sprintf("the snapshot is for policy %s/%s, not %s/%s", p.Namespace, p.Name, c.o.Namespace, c.o.Name)
+	}
+	if c.o.StoreIdentity != "" && policywire.StoreIdentity(p.Spec.Store) != c.o.StoreIdentity {
+		restart = "the policy's store changed; this sidecar keeps the store it started with until its pod restarts"
+	}
+	old := c.o.Engine.Policy()
+	if old == nil || old.Hash != p.Hash {
+		// One atomic swap: a call already planned finishes under the
+		// policy it started with, the next one takes this.
+		c.o.Engine.SetPolicy(p)
+		c.log.Info("Applied policy", "policy", c.o.Namespace+"/"+c.o.Name, "hash", p.Hash, "restartRequired", restart != "")
+	}
+	select {
+	case <-c.applied:
+	default:
+	}
+	c.applied <- p.Hash
+	return restart, ""
+}
+
+func (c *Client) report(nonce, restart, nack string) policywire.Report {
+	r := policywire.Report{Version: c.o.Engine.Policy().Hash, Nonce: nonce, RestartRequired: restart, Error: nack}
+	if restart == "" && c.o.StoreIdentity != "" && policywire.StoreIdentity(c.o.Engine.Policy().Spec.Store) != c.o.StoreIdentity {
+		r.RestartRequired = "the policy's store changed; this sidecar keeps the store it started with until its pod restarts"
+	}
+	if u, ok := c.o.Engine.(UnscopedCounter); ok {
+		n := u.UnscopedCalls()
+		r.UnscopedCalls = &n
+	}
+	return r
+}

@@ -1,0 +1,114 @@
+package stdio
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strconv"
+	"sync"
+	"sync/atomic"
+
+	"github.com/idemcp/idemcp/sidecar/engine"
+	"github.com/idemcp/idemcp/sidecar/mcpmsg"
+)
+
+// maxListPages bounds one listing against a server whose cursors never end.
+const maxListPages = 1000
+
+// ownList is the wrapper's own tools/list requests, sent in the client's
+// session once the client has initialized it. Their ids carry a random
+// part, so they never meet the client's; their responses are kept from the
+// client.
+type ownList struct {
+	prefix string
+	seq    atomic.Int64
+	ready  atomic.Bool
+
+	mu      sync.Mutex
+	waiting map[string]chan *mcpmsg.Message
+	meta    json.RawMessage // the client's protocol _meta, for 2026-07-28
+}
+
+// open marks the session open, and reports whether it just was.
+func (l *ownList) open(meta json.RawMessage) bool {
+	l.mu.Lock()
+	if meta != nil {
+		l.meta = meta
+	}
+	l.mu.Unlock()
+	return l.ready.CompareAndSwap(false, true)
+}
+
+func newOwnList() *ownList {
+	var b [6]byte
+	_, _ = rand.Read(b[:])
+	return &ownList{prefix: "idemcp-tools-list-" + hex.EncodeToString(b[:]) + "-", waiting: make(map[string]chan *mcpmsg.Message)}
+}
+
+// deliver hands a response to the wrapper's own request it answers, and
+// reports whether it was one.
+func (l *ownList) deliver(msg *mcpmsg.Message) bool {
+	k := mcpmsg.IDKey(msg.ID)
+	l.mu.Lock()
+	ch, ok := l.waiting[k]
+	delete(l.waiting, k)
+	l.mu.Unlock()
+	if ok {
+		ch <- msg
+	}
+	return ok
+}
+
+// listTools does one listing through the child (toollist.ListFunc).
+func (w *Wrapper) listTools(ctx context.Context, hints *engine.ToolHints) error {
+	l := w.ownList
+	if !l.ready.Load() {
+		return errors.New("the client has not initialized the session yet")
+	}
+	cursor := ""
+	for range maxListPages {
+		id := json.RawMessage(strconv.Quote(l.prefix + strconv.FormatInt(l.seq.Add(1), 10)))
+		params := map[string]any{}
+		if cursor != "" {
+			params["cursor"] = cursor
+		}
+		l.mu.Lock()
+		if l.meta != nil {
+			params["_meta"] = l.meta
+		}
+		l.mu.Unlock()
+		line, _ := json.Marshal(map[string]any{"jsonrpc": "2.0", "id": id, "method": "tools/list", "params": params})
+		ch := make(chan *mcpmsg.Message, 1)
+		k := mcpmsg.IDKey(id)
+		l.mu.Lock()
+		l.waiting[k] = ch
+		l.mu.Unlock()
+		if err := w.childIn.writeLine(line); err != nil {
+			l.drop(k)
+			return fmt.Errorf("writing tools/list to the MCP server: %w", err)
+		}
+		var msg *mcpmsg.Message
+		select {
+		case msg = <-ch:
+		case <-ctx.Done():
+			l.drop(k)
+			return fmt.Errorf("tools/list: %w", ctx.Err())
+		}
+		if len(msg.Error) > 0 && string(msg.Error) != "null" {
+			return fmt.Errorf("tools/list: the MCP server answered %s", msg.Error)
+		}
+		if cursor = hints.ObserveListResult(msg.Result); cursor == "" {
+			return nil
+		}
+	}
+	return fmt.Errorf("tools/list: more than %d pages", maxListPages)
+}
+
+func (l *ownList) drop(k string) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	delete(l.waiting, k)
+}

@@ -1,0 +1,370 @@
+// Package pgtest runs real PostgreSQL servers (and PgBouncer in front of
+// them) for tests, from Debian's postgresql and pgbouncer packages: a server
+// on a free loopback port, in a temporary directory, that can be stopped
+// (an immediate shutdown, as a crash) and started again with its data.
+//
+// PostgreSQL refuses to run as root; as root the servers run as the user
+// nobody. When the programs are not installed a test is skipped, except
+// under CI (CI=true), where a missing dependency fails it.
+package pgtest
+
+import (
+	"context"
+	"fmt"
+	"github.com/idemcp/idemcp/internal/freeport"
+	"net"
+	"os"
+	"os/exec"
+	"os/user"
+	"path/filepath"
+	"sort"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/idemcp/idemcp/test/testdeps"
+)
+
+const startTimeout = 30 * time.Second
+
+// Dir returns the directory holding initdb and postgres (the newest of
+// /usr/lib/postgresql/*/bin, else the one on PATH), or ends the test.
+func Dir(tb testing.TB) string {
+	tb.Helper()
+	dirs, _ := filepath.Glob("/usr/lib/postgresql/*/bin")
+	sort.Slice(dirs, func(i, j int) bool { return version(dirs[i]) < version(dirs[j]) })
+	for i := len(dirs) - 1; i >= 0; i-- {
+		if _, err := os.Stat(filepath.Join(dirs[i], "postgres")); err == nil {
+			return dirs[i]
+		}
+	}
+	if p, err := exec.LookPath("postgres"); err == nil {
+		return filepath.Dir(p)
+	}
+	testdeps.Missing(tb, "PostgreSQL not installed: no /usr/lib/postgresql/*/bin/postgres (apt-get install postgresql)")
+	return ""
+}
+
+func version(dir string) int {
+	n, _ := strconv.Atoi(filepath.Base(filepath.Dir(dir)))
+	return n
+}
+
+// runAs returns the credentials to run servers with: none, or nobody's
+// when the tests run as root.
+func runAs(tb testing.TB) *syscall.Credential {
+	tb.Helper()
+	if os.Geteuid() != 0 {
+		return nil
+	}
+	u, err := user.Lookup("nobody")
+	if err != nil {
+		tb.Fatalf("running as root, PostgreSQL needs another user: %v", err)
+	}
+	uid, _ := strconv.Atoi(u.Uid)
+	gid, _ := strconv.Atoi(u.Gid)
+	return &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid)}
+}
+
+func command(cred *syscall.Credential, name string, args ...string) *exec.Cmd {
+	cmd := exec.Command(name, args...)
+	cmd.Env = []string{"LC_ALL=C", "PATH=/usr/bin:/bin", "HOME=/tmp"}
+	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: cred}
+	setDeathSignal(cmd.SysProcAttr)
+	return cmd
+}
+
+// tempDir makes a directory the servers' user owns; it is removed when the
+// test ends.
+func tempDir(tb testing.TB, cred *syscall.Credential) string {
+	tb.Helper()
+	dir, err := os.MkdirTemp("", "idemcp-pgtest-")
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { _ = os.RemoveAll(dir) })
+	if cred != nil {
+		if err := os.Chown(dir, int(cred.Uid), int(cred.Gid)); err != nil {
+			tb.Fatal(err)
+		}
+	}
+	return dir
+}
+
+var template struct {
+	once sync.Once
+	dir  string
+	err  error
+}
+
+// initTemplate runs initdb once per test binary; every server starts from
+// a copy, which takes a fraction of initdb's time.
+func initTemplate(bin string, cred *syscall.Credential) (string, error) {
+	template.once.Do(func() {
+		dir, err := os.MkdirTemp("", "idemcp-pgtemplate-")
+		if err != nil {
+			template.err = err
+			return
+		}
+		if cred != nil {
+			if err := os.Chown(dir, int(cred.Uid), int(cred.Gid)); err != nil {
+				template.err = err
+				return
+			}
+		}
+		data := filepath.Join(dir, "data")
+		out, err := command(cred, filepath.Join(bin, "initdb"), "-D", data, "-U", "postgres", "-A", "trust",
+			"-E", "UTF8", "--locale=C", "--no-sync", "--no-instructions").CombinedOutput()
+		if err != nil {
+			template.err = fmt.Errorf("initdb: %w\n%s", err, out)
+			return
+		}
+		template.dir = data
+	})
+	return template.dir, template.err
+}
+
+// Server is one PostgreSQL server on a loopback port.
+type Server struct {
+	// Addr is host:port, stable across Stop and Start.
+	Addr string
+	// URL connects as the superuser postgres to the database postgres.
+	URL string
+
+	tb   testing.TB
+	bin  string
+	cred *syscall.Credential
+	data string
+	log  string
+
+	mu     sync.Mutex
+	proc   *os.Process
+	exited chan struct{}
+}
+
+// Start runs a PostgreSQL server, stopped when the test ends.
+func Start(tb testing.TB) *Server {
+	tb.Helper()
+	bin := Dir(tb)
+	cred := runAs(tb)
+	tmpl, err := initTemplate(bin, cred)
+	if err != nil {
+		tb.Fatalf("preparing PostgreSQL: %v", err)
+	}
+	dir := tempDir(tb, cred)
+	data := filepath.Join(dir, "data")
+	if out, err := command(cred, "cp", "-a", tmpl, data).CombinedOutput(); err != nil {
+		tb.Fatalf("copying the template cluster: %v\n%s", err, out)
+	}
+	var lastErr error
+	for range 5 {
+		port := FreePort(tb)
+		s := &Server{
+			Addr: net.JoinHostPort("127.0.0.1", strconv.Itoa(port)),
+			tb:   tb, bin: bin, cred: cred, data: data, log: filepath.Join(dir, "postgres.log"),
+		}
+		s.URL = "postgres://postgres@" + s.Addr + "/postgres?sslmode=disable"
+		if lastErr = s.start(); lastErr == nil {
+			tb.Cleanup(s.Stop)
+			return s
+		}
+	}
+	tb.Fatalf("starting PostgreSQL: %v", lastErr)
+	return nil
+}
+
+// FreePort returns a loopback port that was free a moment ago.
+func FreePort(tb testing.TB) int {
+	tb.Helper()
+	return freeport.LoopbackPort(tb)
+}
+
+// Start brings a stopped server up again on the same port, with its data.
+func (s *Server) Start() {
+	s.tb.Helper()
+	if err := s.start(); err != nil {
+		s.tb.Fatalf("restarting PostgreSQL at %s: %v", s.Addr, err)
+	}
+}
+
+func (s *Server) start() error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.exited != nil {
+		return nil
+	}
+	_, port, _ := net.SplitHostPort(s.Addr)
+	logf, err := os.OpenFile(s.log, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+	if err != nil {
+		return err
+	}
+	defer func() { _ = logf.Close() }()
+	cmd := command(s.cred, filepath.Join(s.bin, "postgres"), "-D", s.data, "-p", port,
+		"-c", "listen_addresses=127.0.0.1", "-c", "unix_socket_directories=",
+		// fsync off risks data only if the machine crashes; a killed server
+		// still recovers every committed transaction from its WAL.
+		"-c", "fsync=off", "-c", "full_page_writes=off",
+		"-c", "max_connections=200", "-c", "shared_buffers=32MB")
+	cmd.Stdout, cmd.Stderr = logf, logf
+	if err := cmd.Start(); err != nil {
+		return err
+	}
+	exited := make(chan struct{})
+	go func() {
+		_ = cmd.Wait()
+		close(exited)
+	}()
+	deadline := time.Now().Add(startTimeout)
+	for {
+		if err := Ping(s.URL); err == nil {
+			break
+		}
+		select {
+		case <-exited:
+			return fmt.Errorf("postgres exited at start: %s", s.logTail())
+		case <-time.After(50 * time.Millisecond):
+		}
+		if time.Now().After(deadline) {
+			_ = cmd.Process.Signal(syscall.SIGQUIT)
+			<-exited
+			return fmt.Errorf("no connection within %v: %s", startTimeout, s.logTail())
+		}
+	}
+	s.proc, s.exited = cmd.Process, exited
+	return nil
+}
+
+// Stop shuts the server down immediately (SIGQUIT: no checkpoint, crash
+// recovery at the next start), as a crash would: clients see their
+// connections drop. Stopping a stopped server does nothing.
+func (s *Server) Stop() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.exited == nil {
+		return
+	}
+	_ = s.proc.Signal(syscall.SIGQUIT)
+	select {
+	case <-s.exited:
+	case <-time.After(10 * time.Second):
+		_ = s.proc.Kill()
+		<-s.exited
+	}
+	s.proc, s.exited = nil, nil
+}
+
+func (s *Server) logTail() string {
+	b, err := os.ReadFile(s.log)
+	if err != nil {
+		return "(no log)"
+	}
+	lines := strings.Split(strings.TrimSpace(string(b)), "\n")
+	return strings.Join(lines[max(0, len(lines)-10):], "\n")
+}
+
+// Ping connects to url once.
+func Ping(url string) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	conn, err := pgx.Connect(ctx, url)
+	if err != nil {
+		return err
+	}
+	return conn.Close(ctx)
+}
+
+// Exec runs sql on url on a fresh connection.
+func Exec(tb testing.TB, url, sql string, args ...any) {
+	tb.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	conn, err := pgx.Connect(ctx, url)
+	if err != nil {
+		tb.Fatalf("connecting to %s: %v", url, err)
+	}
+	defer func() { _ = conn.Close(ctx) }()
+	if _, err := conn.Exec(ctx, sql, args...); err != nil {
+		tb.Fatalf("%s: %v", sql, err)
+	}
+}
+
+// Bouncer is a PgBouncer in transaction mode in front of a Server.
+type Bouncer struct {
+	// URL connects through PgBouncer to the database postgres.
+	URL string
+}
+
+// StartBouncer runs PgBouncer in transaction pooling mode in front of pg,
+// stopped when the test ends.
+func StartBouncer(tb testing.TB, pg *Server) *Bouncer {
+	tb.Helper()
+	bin, err := exec.LookPath("pgbouncer")
+	if err != nil {
+		if _, serr := os.Stat("/usr/sbin/pgbouncer"); serr != nil {
+			testdeps.Missing(tb, "pgbouncer not installed (apt-get install pgbouncer)")
+			return nil
+		}
+		bin = "/usr/sbin/pgbouncer"
+	}
+	cred := runAs(tb)
+	dir := tempDir(tb, cred)
+	host, pgPort, _ := net.SplitHostPort(pg.Addr)
+	port := FreePort(tb)
+	ini := fmt.Sprintf(`[databases]
+* = host=%s port=%s
+[pgbouncer]
+listen_addr = 127.0.0.1
+listen_port = %d
+unix_socket_dir =
+auth_type = trust
+auth_file = %s
+pool_mode = transaction
+max_client_conn = 500
+default_pool_size = 4
+ignore_startup_parameters = extra_float_digits
+logfile = %s
+`, host, pgPort, port, filepath.Join(dir, "users.txt"), filepath.Join(dir, "pgbouncer.log"))
+	for name, body := range map[string]string{"pgbouncer.ini": ini, "users.txt": `"postgres" ""` + "\n"} {
+		p := filepath.Join(dir, name)
+		if err := os.WriteFile(p, []byte(body), 0o644); err != nil {
+			tb.Fatal(err)
+		}
+	}
+	cmd := command(cred, bin, filepath.Join(dir, "pgbouncer.ini"))
+	if err := cmd.Start(); err != nil {
+		tb.Fatalf("starting pgbouncer: %v", err)
+	}
+	exited := make(chan struct{})
+	go func() {
+		_ = cmd.Wait()
+		close(exited)
+	}()
+	tb.Cleanup(func() {
+		_ = cmd.Process.Signal(syscall.SIGINT)
+		select {
+		case <-exited:
+		case <-time.After(5 * time.Second):
+			_ = cmd.Process.Kill()
+			<-exited
+		}
+	})
+	b := &Bouncer{URL: fmt.Sprintf("postgres://postgres@127.0.0.1:%d/postgres?sslmode=disable", port)}
+	deadline := time.Now().Add(startTimeout)
+	for Ping(b.URL) != nil {
+		select {
+		case <-exited:
+			log, _ := os.ReadFile(filepath.Join(dir, "pgbouncer.log"))
+			tb.Fatalf("pgbouncer exited at start:\n%s", log)
+		case <-time.After(50 * time.Millisecond):
+		}
+		if time.Now().After(deadline) {
+			tb.Fatalf("pgbouncer did not answer within %v", startTimeout)
+		}
+	}
+	return b
+}

@@ -1,0 +1,268 @@
+package toollist
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"mime"
+	"net/http"
+	"net/url"
+	"strconv"
+	"sync"
+	"sync/atomic"
+
+	"github.com/idemcp/idemcp/sidecar/engine"
+	"github.com/idemcp/idemcp/sidecar/mcpmsg"
+)
+
+// maxPages bounds a listing against a server whose cursors never end.
+const maxPages = 1000
+
+// maxListBytes bounds one tools/list response read by the lister.
+const maxListBytes = 8 << 20
+
+// UserAgent marks the lister's own requests to the server.
+const UserAgent = "idemcp-sidecar (tool listing)"
+
+// listVersion is the protocol revision the lister's own session asks for:
+// the newest one with sessions, which stateful and stateless servers both
+// speak.
+const listVersion = "2025-11-25"
+
+// HTTP lists a Streamable HTTP server's tools. Its endpoint is the path
+// clients post MCP messages to: learned from their traffic (see Watch),
+// and until then the upstream URL's path, or /mcp.
+type HTTP struct {
+	client   *http.Client
+	upstream *url.URL
+
+	mu   sync.Mutex
+	path string
+
+	changed atomic.Pointer[func()]
+	seq     atomic.Int64
+}
+
+// NewHTTP returns a lister transport for the server at upstream.
+func NewHTTP(client *http.Client, upstream *url.URL) *HTTP {
+	h := &HTTP{client: client, upstream: upstream, path: upstream.Path}
+	if h.path == "" || h.path == "/" {
+		h.path = "/mcp"
+	}
+	return h
+}
+
+// OnChanged sets what to do when a response through Watch carries a
+// notifications/tools/list_changed.
+func (h *HTTP) OnChanged(f func()) { h.changed.Store(&f) }
+
+func (h *HTTP) endpoint() string {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	u := *h.upstream
+	u.Path, u.RawPath, u.RawQuery = h.path, "", ""
+	return u.String()
+}
+
+// Watch wraps the proxy's handler: Streamable HTTP POSTs tell the
+// endpoint's path, and responses are watched for
+// notifications/tools/list_changed (on any stream, legacy included).
+func (h *HTTP) Watch(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Method == http.MethodPost && (r.Header.Get("Mcp-Session-Id") != "" || r.Header.Get("Mcp-Protocol-Version") != "") {
+			h.mu.Lock()
+			h.path = r.URL.Path
+			h.mu.Unlock()
+		}
+		next.ServeHTTP(&watchWriter{ResponseWriter: w, h: h}, r)
+	})
+}
+
+var listChanged = []byte(`"notifications/tools/list_changed"`)
+
+// watchWriter looks for list_changed in what it writes, across writes.
+type watchWriter struct {
+	http.ResponseWriter
+	h    *HTTP
+	tail []byte
+}
+
+func (w *watchWriter) Write(b []byte) (int, error) {
+	if len(w.tail) > 0 {
+		joined := append(w.tail, b[:min(len(b), len(listChanged))]...)
+		if bytes.Contains(joined, listChanged) {
+			w.notify()
+		}
+	}
+	if bytes.Contains(b, listChanged) {
+		w.notify()
+	}
+	keep := min(len(b), len(listChanged)-1)
+	w.tail = append(w.tail[:0], b[len(b)-keep:]...)
+	return w.ResponseWriter.Write(b)
+}
+
+func (w *watchWriter) notify() {
+	if f := w.h.changed.Load(); f != nil {
+		(*f)()
+	}
+}
+
+func (w *watchWriter) Flush() {
+	if f, ok := w.ResponseWriter.(http.Flusher); ok {
+		f.Flush()
+	}
+}
+
+// Unwrap lets http.ResponseController reach the real writer.
+func (w *watchWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }
+
+// List does one listing on a session of its own: initialize, then
+// tools/list page by page with the session's id, then DELETE the session.
+func (h *HTTP) List(ctx context.Context, hints *engine.ToolHints) error {
+	endpoint := h.endpoint()
+	init := fmt.Sprintf(`{"protocolVersion":%q,"capabilities":{},"clientInfo":{"name":"idemcp","version":"1"}}`, listVersion)
+	res, hdr, err := h.call(ctx, endpoint, "initialize", json.RawMessage(init), "", "")
+	if err != nil {
+		return fmt.Errorf("initializing a session with %s: %w", endpoint, err)
+	}
+	session := hdr.Get("Mcp-Session-Id")
+	version := listVersion
+	var ir struct {
+		ProtocolVersion string `json:"protocolVersion"`
+	}
+	if json.Unmarshal(res, &ir) == nil && ir.ProtocolVersion != "" {
+		version = ir.ProtocolVersion
+	}
+	if session != "" {
+		defer h.deleteSession(endpoint, session, version)
+	}
+	if err := h.notify(ctx, endpoint, "notifications/initialized", session, version); err != nil {
+		return err
+	}
+	cursor := ""
+	for range maxPages {
+		params := json.RawMessage(`{}`)
+		if cursor != "" {
+			params, _ = json.Marshal(map[string]string{"cursor": cursor})
+		}
+		res, _, err := h.call(ctx, endpoint, "tools/list", params, session, version)
+		if err != nil {
+			return fmt.Errorf("tools/list at %s: %w", endpoint, err)
+		}
+		if cursor = hints.ObserveListResult(res); cursor == "" {
+			return nil
+		}
+	}
+	return fmt.Errorf("tools/list at %s: more than %d pages", endpoint, maxPages)
+}
+
+func (h *HTTP) newRequest(ctx context.Context, method, endpoint string, body []byte, session, version string) (*http.Request, error) {
+	req, err := http.NewRequestWithContext(ctx, method, endpoint, bytes.NewReader(body))
+	if err != nil {
+		return nil, err
+	}
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("Accept", "application/json, text/event-stream")
+	req.Header.Set("User-Agent", UserAgent)
+	if session != "" {
+		req.Header.Set("Mcp-Session-Id", session)
+	}
+	if version != "" {
+		req.Header.Set("Mcp-Protocol-Version", version)
+	}
+	return req, nil
+}
+
+// call sends one request and returns its result.
+func (h *HTTP) call(ctx context.Context, endpoint, method string, params json.RawMessage, session, version string) (json.RawMessage, http.Header, error) {
+	id := json.RawMessage(strconv.Quote("idemcp-list-" + strconv.FormatInt(h.seq.Add(1), 10)))
+	body, _ := json.Marshal(map[string]any{"jsonrpc": "2.0", "id": id, "method": method, "params": params})
+	req, err := h.newRequest(ctx, http.MethodPost, endpoint, body, session, version)
+	if err != nil {
+		return nil, nil, err
+	}
+	req.Header.Set("Mcp-Method", method)
+	resp, err := h.client.Do(req)
+	if err != nil {
+		return nil, nil, err
+	}
+	defer func() { _ = resp.Body.Close() }()
+	if resp.StatusCode != http.StatusOK {
+		return nil, nil, fmt.Errorf("HTTP %d", resp.StatusCode)
+	}
+	msg, err := readResponse(resp, id)
+	if err != nil {
+		return nil, nil, err
+	}
+	m, err := mcpmsg.Parse(msg)
+	if err != nil {
+		return nil, nil, err
+	}
+	if len(m.Error) > 0 && string(m.Error) != "null" {
+		return nil, nil, fmt.Errorf("JSON-RPC error %s", m.Error)
+	}
+	return m.Result, resp.Header, nil
+}
+
+func readResponse(resp *http.Response, id json.RawMessage) ([]byte, error) {
+	mt, _, _ := mime.ParseMediaType(resp.Header.Get("Content-Type"))
+	if mt != "text/event-stream" {
+		b, err := io.ReadAll(io.LimitReader(resp.Body, maxListBytes+1))
+		if err != nil {
+			return nil, err
+		}
+		if len(b) > maxListBytes {
+			return nil, fmt.Errorf("response over %d bytes", maxListBytes)
+		}
+		if !mcpmsg.IsResponseTo(b, id) {
+			return nil, errors.New("the response is not a JSON-RPC response to the request")
+		}
+		return b, nil
+	}
+	er := mcpmsg.NewEventReader(resp.Body, maxListBytes)
+	for {
+		ev, err := er.Next()
+		if err != nil {
+			return nil, fmt.Errorf("the event stream ended without the response: %w", err)
+		}
+		if mcpmsg.IsResponseTo(ev.Data, id) {
+			return ev.Data, nil
+		}
+	}
+}
+
+func (h *HTTP) notify(ctx context.Context, endpoint, method, session, version string) error {
+	body, _ := json.Marshal(map[string]string{"jsonrpc": "2.0", "method": method})
+	req, err := h.newRequest(ctx, http.MethodPost, endpoint, body, session, version)
+	if err != nil {
+		return err
+	}
+	req.Header.Set("Mcp-Method", method)
+	resp, err := h.client.Do(req)
+	if err != nil {
+		return fmt.Errorf("%s: %w", method, err)
+	}
+	_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10))
+	_ = resp.Body.Close()
+	if resp.StatusCode/100 != 2 {
+		return fmt.Errorf("%s: HTTP %d", method, resp.StatusCode)
+	}
+	return nil
+}
+
+// deleteSession ends the lister's session, so the server does not keep it.
+func (h *HTTP) deleteSession(endpoint, session, version string) {
+	ctx, cancel := context.WithTimeout(context.Background(), 5e9)
+	defer cancel()
+	req, err := h.newRequest(ctx, http.MethodDelete, endpoint, nil, session, version)
+	if err != nil {
+		return
+	}
+	if resp, err := h.client.Do(req); err == nil {
+		_ = resp.Body.Close()
+	}
+}

@@ -1,0 +1,203 @@
+// Package toollist lets the proxy learn the upstream's tool annotations on
+// its own account: Auto mode passes read-only tools through, and must not
+// depend on a client that happens to call tools/list (many never do, and a
+// fresh replica has seen none). A Lister lists the tools at start, again
+// when the server says the list changed, and when a call names a tool no
+// listing has named; the transports supply how one listing is done.
+package toollist
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/idemcp/idemcp/sidecar/engine"
+)
+
+// ListFunc does one full listing (every page), feeding each page's result
+// to hints.ObserveListResult.
+type ListFunc func(ctx context.Context, hints *engine.ToolHints) error
+
+// Options configure a Lister.
+type Options struct {
+	Hints *engine.ToolHints
+	List  ListFunc
+	// Wait bounds how long a call to an unknown tool waits for a listing
+	// (default engine.DefaultUnknownToolWait).
+	Wait time.Duration
+	// MinInterval is the least time between two listings that unknown
+	// tools ask for, so that calls to a tool the server does not have do
+	// not list the tools each time (default 10s).
+	MinInterval time.Duration
+	// Timeout bounds one listing (default 10s).
+	Timeout time.Duration
+	// Registerer gets idemcp_unknown_tool_calls_total (nil: not registered).
+	Registerer prometheus.Registerer
+	Logger     *slog.Logger
+}
+
+// Lister is safe for concurrent use.
+type Lister struct {
+	o       Options
+	unknown prometheus.Counter
+
+	mu      sync.Mutex
+	running chan struct{} // closed when the listing in progress ends
+	again   bool          // the list changed while a listing ran
+	ended   time.Time     // when the last listing ended
+	ok      bool          // whether any listing succeeded
+	failing bool          // whether the last listing failed (warned once)
+	base    context.Context
+}
+
+// New returns a Lister and makes hints use it.
+func New(o Options) *Lister {
+	if o.Wait <= 0 {
+		o.Wait = engine.DefaultUnknownToolWait
+	}
+	if o.MinInterval <= 0 {
+		o.MinInterval = 10 * time.Second
+	}
+	if o.Timeout <= 0 {
+		o.Timeout = 10 * time.Second
+	}
+	if o.Logger == nil {
+		o.Logger = slog.New(slog.DiscardHandler)
+	}
+	l := &Lister{o: o, base: context.Background(), unknown: prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "idemcp_unknown_tool_calls_total",
+		Help: "Calls under defaultMode Auto to a tool no tools/list had named within the wait; they are deduplicated.",
+	})}
+	if o.Registerer != nil {
+		o.Registerer.MustRegister(l.unknown)
+	}
+	o.Hints.SetLearner(l, o.Wait, l.onUnknown)
+	return l
+}
+
+// UnknownCalls is the number of calls to tools still unknown after the wait.
+func (l *Lister) UnknownCalls() prometheus.Counter { return l.unknown }
+
+func (l *Lister) onUnknown(tool string) {
+	l.unknown.Inc()
+	l.o.Logger.Debug("A call names a tool no tools/list has named; deduplicating it", "tool", tool)
+}
+
+// Start lists the tools now, and retries with backoff until a listing
+// succeeds or ctx ends (the server may start after the proxy). Later
+// listings run under ctx too.
+func (l *Lister) Start(ctx context.Context) {
+	l.mu.Lock()
+	l.base = ctx
+	l.mu.Unlock()
+	go func() {
+		backoff := 250 * time.Millisecond
+		// About two minutes of tries; after that, calls to unknown tools
+		// still ask for listings.
+		for range startAttempts {
+			<-l.refresh(true)
+			l.mu.Lock()
+			ok := l.ok
+			l.mu.Unlock()
+			if ok {
+				return
+			}
+			select {
+			case <-ctx.Done():
+				return
+			case <-time.After(backoff):
+			}
+			backoff = min(2*backoff, 30*time.Second)
+		}
+	}()
+}
+
+// startAttempts bounds Start's retries.
+const startAttempts = 12
+
+// Learn implements engine.Learner.
+func (l *Lister) Learn(string) <-chan struct{} { return l.refresh(false) }
+
+// Changed is called when the server sends notifications/tools/list_changed:
+// the tools are listed again, after the listing in progress if any.
+func (l *Lister) Changed() {
+	l.mu.Lock()
+	if l.running != nil {
+		l.again = true
+		l.mu.Unlock()
+		return
+	}
+	l.mu.Unlock()
+	l.refresh(true)
+}
+
+var closed = func() chan struct{} { c := make(chan struct{}); close(c); return c }()
+
+// refresh starts a listing unless one runs (then it is joined) or, when
+// not forced, one ended less than MinInterval ago.
+func (l *Lister) refresh(force bool) <-chan struct{} {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.running != nil {
+		return l.running
+	}
+	gap := l.o.MinInterval
+	if !l.ok {
+		gap = time.Second // the server may just be starting
+	}
+	if !force && !l.ended.IsZero() && time.Since(l.ended) < gap {
+		return closed
+	}
+	done := make(chan struct{})
+	l.running = done
+	base := l.base
+	go l.run(base, done)
+	return done
+}
+
+// listOnce runs one listing; what a server sends must never end the
+// process, so a panic is a failed listing.
+func (l *Lister) listOnce(base context.Context) (err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			err = fmt.Errorf("listing panicked: %v", r)
+		}
+	}()
+	ctx, cancel := context.WithTimeout(base, l.o.Timeout)
+	defer cancel()
+	return l.o.List(ctx, l.o.Hints)
+}
+
+func (l *Lister) run(base context.Context, done chan struct{}) {
+	for {
+		err := l.listOnce(base)
+		l.mu.Lock()
+		l.ended = time.Now()
+		if err == nil {
+			l.ok = true
+		}
+		again := l.again && base.Err() == nil
+		l.again = false
+		warn := err != nil && !l.failing
+		l.failing = err != nil
+		if !again {
+			l.running = nil
+			close(done)
+			l.mu.Unlock()
+			switch {
+			case warn:
+				l.o.Logger.Warn("Listing the MCP server's tools failed; calls to tools not yet listed are deduplicated", "err", err)
+			case err != nil:
+				l.o.Logger.Debug("Listing the MCP server's tools failed again", "err", err)
+			default:
+				l.o.Logger.Debug("Listed the MCP server's tools")
+			}
+			return
+		}
+		l.mu.Unlock()
+	}
+}

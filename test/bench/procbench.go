@@ -1,0 +1,623 @@
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"github.com/idemcp/idemcp/internal/freeport"
+	"io"
+	"math"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// The separate-process section: the load generator (this process), the
+// MCP server, the plain Go proxy, nginx and the sidecar each run in a
+// process of their own, so that every proxy's CPU is read from
+// /proc/PID/stat and its peak RSS from /proc/PID/status.
+
+// proc is a child process the section started.
+type proc struct {
+	name string
+	cmd  *exec.Cmd
+	url  string // http://host:port
+	addr string
+	logs bytes.Buffer
+}
+
+func (p *proc) pid() int { return p.cmd.Process.Pid }
+
+func (p *proc) stop() {
+	if p == nil || p.cmd.Process == nil {
+		return
+	}
+	_ = p.cmd.Process.Kill()
+	_ = p.cmd.Wait()
+}
+
+// cpuTime is the user plus system CPU time the process used, from
+// /proc/PID/stat (clock ticks, USER_HZ 100 on Linux).
+func cpuTime(pid int) time.Duration {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0
+	}
+	// Fields after the parenthesised command name; utime and stime are
+	// fields 14 and 15 of the whole line.
+	i := bytes.LastIndexByte(b, ')')
+	f := strings.Fields(string(b[i+1:]))
+	if len(f) < 13 {
+		return 0
+	}
+	u, _ := strconv.ParseInt(f[11], 10, 64)
+	s, _ := strconv.ParseInt(f[12], 10, 64)
+	return time.Duration(u+s) * 10 * time.Millisecond
+}
+
+// memKB reads a field of /proc/PID/status, such as VmRSS or VmHWM (peak).
+func memKB(pid int, field string) float64 {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		return math.NaN()
+	}
+	sc := bufio.NewScanner(bytes.NewReader(b))
+	for sc.Scan() {
+		if k, v, ok := strings.Cut(sc.Text(), ":"); ok && k == field {
+			n, _ := strconv.ParseFloat(strings.TrimSuffix(strings.TrimSpace(v), " kB"), 64)
+			return n
+		}
+	}
+	return math.NaN()
+}
+
+func freeAddr() (string, error) {
+	return freeport.Addr("127.0.0.1")
+}
+
+// startProc starts bin with args; addrFlag names the flag that receives a
+// free loopback address ("" when args hold it already, at addr).
+func startProc(name, bin string, args []string, addr string) (*proc, error) {
+	p := &proc{name: name, addr: addr, url: "http://" + addr}
+	p.cmd = exec.Command(bin, args...)
+	p.cmd.Stdout = &p.logs
+	p.cmd.Stderr = &p.logs
+	if err := p.cmd.Start(); err != nil {
+		return nil, fmt.Errorf("start %s: %w", name, err)
+	}
+	return p, nil
+}
+
+// waitServing polls until the process answers an HTTP request, and says
+// how long that took from start.
+func waitServing(p *proc, start time.Time, limit time.Duration) (time.Duration, error) {
+	c := &http.Client{Transport: &http.Transport{DisableKeepAlives: true, Proxy: nil}, Timeout: time.Second}
+	for time.Since(start) < limit {
+		resp, err := c.Get(p.url + "/")
+		if err == nil {
+			_ = resp.Body.Close()
+			return time.Since(start), nil
+		}
+		time.Sleep(500 * time.Microsecond)
+	}
+	return 0, fmt.Errorf("%s did not serve within %s: %.500s", p.name, limit, p.logs.String())
+}
+
+// procRow is one line of the headline table.
+type procRow struct {
+	name  string
+	short string // label in the chart
+	t     *target
+	sc    *scenario
+	proxy *proc // nil for direct
+	// per mode: one stat per round
+	st   map[string]series
+	cpu  map[string][]float64 // ms per 1000 calls, per round
+	fail int
+}
+
+type procEnv struct {
+	tmp                           string
+	bins                          map[string]string
+	procs                         []*proc
+	server, plain, nginx          *proc
+	sideMem, sideRedis, redisProc *proc
+	rows                          []*procRow
+	p999                          map[*procRow]map[string][]float64
+	nginxNote                     string
+	pingP50                       time.Duration
+	startup                       []time.Duration
+	// The same sidecar run from the full idemcp binary (manager linked
+	// in), for the data-plane binary question.
+	fullStartup                []time.Duration
+	fullIdleRSS, proxyIdleRSS  float64
+	idleRSS, sessRSS, sessPeak float64
+	sessions                   int
+	dup                        [][3]string
+}
+
+func (e *procEnv) close() {
+	for _, p := range e.procs {
+		p.stop()
+	}
+	_ = os.RemoveAll(e.tmp)
+}
+
+func (e *procEnv) start(name, bin string, args func(addr string) []string) (*proc, error) {
+	addr, err := freeAddr()
+	if err != nil {
+		return nil, err
+	}
+	t0 := time.Now()
+	p, err := startProc(name, bin, args(addr), addr)
+	if err != nil {
+		return nil, err
+	}
+	e.procs = append(e.procs, p)
+	if _, err := waitServing(p, t0, 60*time.Second); err != nil {
+		return nil, err
+	}
+	return p, nil
+}
+
+func (e *procEnv) build() error {
+	e.bins = map[string]string{}
+	for name, pkg := range map[string]string{
+		"idemcp":     ".",
+		"proxy":      "./cmd/idemcp-proxy",
+		"httpserver": "./test/mcpserver/cmd/httpserver",
+		"plainproxy": "./test/bench/cmd/plainproxy",
+	} {
+		out := filepath.Join(e.tmp, name)
+		cmd := exec.Command("go", "build", "-o", out, pkg)
+		if b, err := cmd.CombinedOutput(); err != nil {
+			return fmt.Errorf("go build %s: %w: %s", pkg, err, b)
+		}
+		e.bins[name] = out
+	}
+	return nil
+}
+
+func (e *procEnv) sidecar(name, upstream string, extra ...string) (*proc, error) {
+	return e.start(name, e.bins["proxy"], func(a string) []string {
+		return append([]string{"sidecar", "--listen", a, "--upstream", upstream, "--policy-file", filepath.Join(e.tmp, "policy.yaml"),
+			"--admin-listen", "", "--log-level", "error"}, extra...)
+	})
+}
+
+func (e *procEnv) startNginx() error {
+	bin, err := exec.LookPath("nginx")
+	if err != nil {
+		for _, p := range []string{"/usr/sbin/nginx", "/sbin/nginx"} {
+			if _, serr := os.Stat(p); serr == nil {
+				bin, err = p, nil
+			}
+		}
+	}
+	if err != nil {
+		e.nginxNote = "nginx is not installed (`make bench` installs Debian's nginx-light with apt-get); its row is missing"
+		return nil
+	}
+	addr, err := freeAddr()
+	if err != nil {
+		return err
+	}
+	dir := filepath.Join(e.tmp, "nginx")
+	if err := os.MkdirAll(filepath.Join(dir, "logs"), 0o755); err != nil {
+		return err
+	}
+	conf := fmt.Sprintf(`daemon off;
+master_process off;
+worker_processes 1;
+error_log stderr error;
+pid %[1]s/nginx.pid;
+events { worker_connections 4096; }
+http {
+  access_log off;
+  client_body_temp_path %[1]s/body;
+  proxy_temp_path %[1]s/proxy;
+  fastcgi_temp_path %[1]s/fastcgi;
+  uwsgi_temp_path %[1]s/uwsgi;
+  scgi_temp_path %[1]s/scgi;
+  upstream mcp { server %[2]s; keepalive 256; }
+  server {
+    listen %[3]s;
+    location / {
+      proxy_pass http://mcp;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_set_header Host $http_host;
+      proxy_buffering off;
+      proxy_request_buffering off;
+    }
+  }
+}
+`, dir, e.server.addr, addr)
+	cf := filepath.Join(dir, "nginx.conf")
+	if err := os.WriteFile(cf, []byte(conf), 0o644); err != nil {
+		return err
+	}
+	t0 := time.Now()
+	p, err := startProc("nginx", bin, []string{"-c", cf, "-p", dir, "-e", "stderr"}, addr)
+	if err != nil {
+		return err
+	}
+	e.procs = append(e.procs, p)
+	if _, err := waitServing(p, t0, 30*time.Second); err != nil {
+		return err
+	}
+	out, _ := exec.Command(bin, "-v").CombinedOutput()
+	e.nginxNote = strings.TrimSpace(string(out)) + ", `master_process off` (one process, so its CPU is one /proc entry), keepalive upstream, `proxy_buffering off`, `proxy_request_buffering off`"
+	e.nginx = p
+	return nil
+}
+
+func (e *procEnv) startRedis() error {
+	bin, err := exec.LookPath("redis-server")
+	if err != nil {
+		return fmt.Errorf("redis-server is not installed: %w", err)
+	}
+	addr, err := freeAddr()
+	if err != nil {
+		return err
+	}
+	_, port, _ := net.SplitHostPort(addr)
+	p, err := startProc("redis-server", bin, []string{"--port", port, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"}, addr)
+	if err != nil {
+		return err
+	}
+	e.procs = append(e.procs, p)
+	rc := redis.NewClient(&redis.Options{Addr: addr})
+	defer func() { _ = rc.Close() }()
+	deadline := time.Now().Add(20 * time.Second)
+	for rc.Ping(context.Background()).Err() != nil {
+		if time.Now().After(deadline) {
+			return fmt.Errorf("redis-server did not answer: %s", p.logs.String())
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	e.redisProc = p
+	return nil
+}
+
+// measurePing is the median PING round trip, one client, the yardstick of
+// the Redis store's goal.
+func (e *procEnv) measurePing(n int) {
+	rc := redis.NewClient(&redis.Options{Addr: e.redisProc.addr})
+	defer func() { _ = rc.Close() }()
+	ctx := context.Background()
+	var lat []time.Duration
+	for range n {
+		t0 := time.Now()
+		if rc.Ping(ctx).Err() == nil {
+			lat = append(lat, time.Since(t0))
+		}
+	}
+	slices.Sort(lat)
+	e.pingP50 = percentile(lat, 0.5)
+}
+
+func procSection(w *bytes.Buffer, c config) error {
+	e := &procEnv{p999: map[*procRow]map[string][]float64{}}
+	var err error
+	if e.tmp, err = os.MkdirTemp("", "idemcp-procbench-"); err != nil {
+		return err
+	}
+	defer e.close()
+	progress("processes: building")
+	if err := e.build(); err != nil {
+		return err
+	}
+	if err := os.WriteFile(filepath.Join(e.tmp, "policy.yaml"), []byte(policyYAML), 0o600); err != nil {
+		return err
+	}
+	if e.server, err = e.start("MCP server", e.bins["httpserver"], func(a string) []string { return []string{"-listen", a} }); err != nil {
+		return err
+	}
+	if e.plain, err = e.start("plain proxy", e.bins["plainproxy"], func(a string) []string { return []string{"-listen", a, "-upstream", e.server.url} }); err != nil {
+		return err
+	}
+	if err := e.startNginx(); err != nil {
+		return err
+	}
+	if err := e.startRedis(); err != nil {
+		return err
+	}
+	if e.sideMem, err = e.sidecar("sidecar (memory)", e.server.url, "--store", "memory"); err != nil {
+		return err
+	}
+	if e.sideRedis, err = e.sidecar("sidecar (redis)", e.server.url, "--store", "redis", "--redis-addr", e.redisProc.addr); err != nil {
+		return err
+	}
+
+	exec := httpScenarios[2]
+	pass := httpScenarios[1]
+	replay := httpScenarios[3]
+	tgt := func(p *proc) *target { return &target{name: p.name, url: p.url + "/", client: newClient()} }
+	add := func(name, short string, p *proc, sc *scenario, proxy bool) {
+		r := &procRow{name: name, short: short, t: tgt(p), sc: sc, st: map[string]series{}, cpu: map[string][]float64{}}
+		if proxy {
+			r.proxy = p
+		}
+		e.rows = append(e.rows, r)
+	}
+	add("direct", "direct", e.server, exec, false)
+	add("Go httputil.ReverseProxy, tuned pool", "Go proxy", e.plain, exec, true)
+	if e.nginx != nil {
+		add("nginx, 1 worker, keepalive, unbuffered", "nginx", e.nginx, exec, true)
+	}
+	for _, s := range []struct {
+		p    *proc
+		name string
+	}{{e.sideMem, "memory"}, {e.sideRedis, "redis"}} {
+		add("idemcp passthrough, "+s.name, "pass "+s.name, s.p, pass, true)
+		add("idemcp executed (new arguments each call), "+s.name, "exec "+s.name, s.p, exec, true)
+		add("idemcp replayed, "+s.name, "replay "+s.name, s.p, replay, true)
+	}
+	// Warm up every row: connections, and the replayed call's record.
+	for _, r := range e.rows {
+		for range c.warmup {
+			_, _, _ = r.t.call(r.sc)
+		}
+	}
+	e.measurePing(2000)
+
+	modes := []struct {
+		name    string
+		workers int
+		n       int
+	}{{"1", 1, c.seqN}, {fmt.Sprint(c.procClients), c.procClients, c.procConcN}}
+	for round := range c.procRounds {
+		for _, m := range modes {
+			progress(fmt.Sprintf("processes: round %d/%d, %s clients", round+1, c.procRounds, m.name))
+			order := slices.Clone(e.rows)
+			k := round % len(order)
+			order = append(order[k:], order[:k]...)
+			for _, r := range order {
+				var before time.Duration
+				if r.proxy != nil {
+					before = cpuTime(r.proxy.pid())
+				}
+				b, failed, ferr := procBatch(r.t, r.sc, m.workers, m.n)
+				if failed*100 > m.n {
+					return fmt.Errorf("%s: %d of %d calls failed, first: %w", r.name, failed, m.n, ferr)
+				}
+				r.fail += failed
+				st := b.stat()
+				sorted := slices.Clone(b.lat)
+				slices.Sort(sorted)
+				if e.p999[r] == nil {
+					e.p999[r] = map[string][]float64{}
+				}
+				e.p999[r][m.name] = append(e.p999[r][m.name], us(percentile(sorted, 0.999)))
+				r.st[m.name] = append(r.st[m.name], st)
+				if r.proxy != nil {
+					used := cpuTime(r.proxy.pid()) - before
+					r.cpu[m.name] = append(r.cpu[m.name], float64(used.Milliseconds())*1000/float64(len(b.lat)))
+				}
+			}
+		}
+	}
+	progress("processes: duplicate rate, startup, sessions")
+	if err := e.duplicates(); err != nil {
+		return err
+	}
+	if e.startup, e.proxyIdleRSS, err = e.measureStartup(e.bins["proxy"], 5); err != nil {
+		return err
+	}
+	if e.fullStartup, e.fullIdleRSS, err = e.measureStartup(e.bins["idemcp"], 5); err != nil {
+		return err
+	}
+	if err := e.measureSessions(c.sessions); err != nil {
+		return err
+	}
+	chart := strings.TrimSuffix(c.out, ".md") + ".png"
+	if c.out == "" {
+		chart = ""
+	}
+	e.report(w, c, modes[1].name, chart)
+	if chart != "" {
+		if err := e.chart(chart, modes[1].name); err != nil {
+			return fmt.Errorf("chart: %w", err)
+		}
+	}
+	return nil
+}
+
+// procBatch sends n calls from workers concurrent clients.
+func procBatch(t *target, sc *scenario, workers, n int) (batch, int, error) {
+	lats := make([][]time.Duration, workers)
+	fails := make([]int, workers)
+	errs := make([]error, workers)
+	var wg sync.WaitGroup
+	gate := make(chan struct{})
+	for w := range workers {
+		k := n / workers
+		if w < n%workers {
+			k++
+		}
+		wg.Go(func() {
+			<-gate
+			for range k {
+				d, _, err := t.call(sc)
+				if err != nil {
+					fails[w]++
+					errs[w] = err
+					continue
+				}
+				lats[w] = append(lats[w], d)
+			}
+		})
+	}
+	start := time.Now()
+	close(gate)
+	wg.Wait()
+	b := batch{elapsed: time.Since(start)}
+	failed := 0
+	var first error
+	for w := range workers {
+		b.lat = append(b.lat, lats[w]...)
+		failed += fails[w]
+		if first == nil {
+			first = errs[w]
+		}
+	}
+	return b, failed, first
+}
+
+func (e *procEnv) count(name string) (int, error) {
+	resp, err := http.Get(e.server.url + "/counts?name=" + name)
+	if err != nil {
+		return 0, err
+	}
+	defer func() { _ = resp.Body.Close() }()
+	b, _ := io.ReadAll(resp.Body)
+	return strconv.Atoi(strings.TrimSpace(string(b)))
+}
+
+// duplicates sends 5 identical calls directly and through the sidecar,
+// and counts how often the tool ran.
+func (e *procEnv) duplicates() error {
+	same := func(card string) *scenario {
+		return &scenario{method: "tools/call", tool: "charge_card", args: func() string { return `{"amount":10,"card":"` + card + `"}` }}
+	}
+	for _, p := range []struct {
+		name string
+		pr   *proc
+	}{{"direct", e.server}, {"through idemcp (memory store)", e.sideMem}, {"through idemcp (redis store)", e.sideRedis}} {
+		before, err := e.count("charge_card")
+		if err != nil {
+			return err
+		}
+		t := &target{name: p.name, url: p.pr.url + "/", client: newClient()}
+		sc := same("dup-" + strconv.FormatInt(time.Now().UnixNano(), 10))
+		for range 5 {
+			if _, _, err := t.call(sc); err != nil {
+				return err
+			}
+		}
+		after, err := e.count("charge_card")
+		if err != nil {
+			return err
+		}
+		e.dup = append(e.dup, [3]string{p.name, "5", strconv.Itoa(after - before)})
+	}
+	return nil
+}
+
+// measureStartup starts a fresh sidecar from bin n times and times process
+// start to its first HTTP answer; it also gives the last one's VmRSS a
+// second after that answer.
+func (e *procEnv) measureStartup(bin string, n int) (starts []time.Duration, idleKB float64, err error) {
+	for i := range n {
+		addr, err := freeAddr()
+		if err != nil {
+			return nil, 0, err
+		}
+		t0 := time.Now()
+		p, err := startProc("sidecar (startup)", bin, []string{"sidecar", "--listen", addr, "--upstream", e.server.url,
+			"--policy-file", filepath.Join(e.tmp, "policy.yaml"), "--admin-listen", "", "--log-level", "error", "--store", "memory"}, addr)
+		if err != nil {
+			return nil, 0, err
+		}
+		d, err := waitServing(p, t0, 30*time.Second)
+		if err == nil && i == n-1 {
+			time.Sleep(time.Second)
+			idleKB = memKB(p.pid(), "VmRSS")
+		}
+		p.stop()
+		if err != nil {
+			return nil, 0, err
+		}
+		starts = append(starts, d)
+	}
+	return starts, idleKB, nil
+}
+
+// measureSessions starts a sidecar in front of a session-keeping server,
+// reads its idle RSS, opens n sessions (initialize, initialized, one
+// deduplicated call each) and reads its RSS with all of them open.
+func (e *procEnv) measureSessions(n int) error {
+	e.sessions = n
+	srv, err := e.start("MCP server (sessions)", e.bins["httpserver"], func(a string) []string { return []string{"-listen", a, "-sessions"} })
+	if err != nil {
+		return err
+	}
+	side, err := e.sidecar("sidecar (sessions)", srv.url, "--store", "memory")
+	if err != nil {
+		return err
+	}
+	time.Sleep(time.Second)
+	e.idleRSS = memKB(side.pid(), "VmRSS")
+	client := newClient()
+	post := func(sid, body string) (string, error) {
+		req, _ := http.NewRequest(http.MethodPost, side.url+"/", strings.NewReader(body))
+		req.Header.Set("Content-Type", "application/json")
+		req.Header.Set("Accept", "application/json, text/event-stream")
+		if sid != "" {
+			req.Header.Set("Mcp-Session-Id", sid)
+			req.Header.Set("Mcp-Protocol-Version", "2025-11-25")
+		}
+		resp, err := client.Do(req)
+		if err != nil {
+			return "", err
+		}
+		b, _ := io.ReadAll(resp.Body)
+		_ = resp.Body.Close()
+		if resp.StatusCode >= 300 {
+			return "", fmt.Errorf("HTTP %d: %.300s", resp.StatusCode, b)
+		}
+		if bytes.Contains(b, []byte(`"error"`)) || bytes.Contains(b, []byte(`"isError":true`)) {
+			return "", fmt.Errorf("not a result: %.300s", b)
+		}
+		return resp.Header.Get("Mcp-Session-Id"), nil
+	}
+	sem := make(chan struct{}, 64)
+	var mu sync.Mutex
+	var first error
+	var wg sync.WaitGroup
+	for i := range n {
+		sem <- struct{}{}
+		wg.Go(func() {
+			defer func() { <-sem }()
+			err := func() error {
+				init, _ := json.Marshal(map[string]any{"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": map[string]any{
+					"protocolVersion": "2025-11-25", "capabilities": map[string]any{}, "clientInfo": map[string]any{"name": "bench", "version": "1"}}})
+				sid, err := post("", string(init))
+				if err != nil || sid == "" {
+					return fmt.Errorf("initialize: session %q: %w", sid, err)
+				}
+				if _, err := post(sid, `{"jsonrpc":"2.0","method":"notifications/initialized"}`); err != nil {
+					return fmt.Errorf("initialized: %w", err)
+				}
+				_, err = post(sid, fmt.Sprintf(`{"jsonrpc":"2.0","id":2,"method":"tools/call","params":{"name":"charge_card","arguments":{"amount":1,"card":"s-%d"}}}`, i))
+				return err
+			}()
+			if err != nil {
+				mu.Lock()
+				if first == nil {
+					first = err
+				}
+				mu.Unlock()
+			}
+		})
+	}
+	wg.Wait()
+	if first != nil {
+		return fmt.Errorf("sessions: %w", first)
+	}
+	e.sessRSS = memKB(side.pid(), "VmRSS")
+	e.sessPeak = memKB(side.pid(), "VmHWM")
+	return nil
+}

@@ -1,0 +1,302 @@
+package main
+
+import (
+	"bytes"
+	"fmt"
+	"image/color"
+	"math"
+	"os"
+	"path/filepath"
+	"slices"
+	"time"
+
+	"gonum.org/v1/plot"
+	"gonum.org/v1/plot/plotter"
+	"gonum.org/v1/plot/vg"
+	"gonum.org/v1/plot/vg/draw"
+	"gonum.org/v1/plot/vg/vgimg"
+)
+
+func medf(xs []float64) float64 { return median(xs) }
+
+// rng is a per-round figure: its median and range over the rounds.
+func rng(xs []float64) paired {
+	if len(xs) == 0 {
+		return paired{math.NaN(), math.NaN(), math.NaN()}
+	}
+	return paired{median(xs), slices.Min(xs), slices.Max(xs)}
+}
+
+func (p paired) String() string {
+	if math.IsNaN(p.med) {
+		return "-"
+	}
+	return fmt.Sprintf("%.2f (%.2f-%.2f)", p.med, p.lo, p.hi)
+}
+
+// perRound applies f to the rows a and b round by round.
+func perRound(a, b *procRow, mode string, f func(a, b *procRow, mode string, i int) float64) paired {
+	n := min(len(a.st[mode]), len(b.st[mode]))
+	xs := make([]float64, 0, n)
+	for i := range n {
+		if v := f(a, b, mode, i); !math.IsNaN(v) && !math.IsInf(v, 0) {
+			xs = append(xs, v)
+		}
+	}
+	return rng(xs)
+}
+
+func (e *procEnv) row(short string) *procRow {
+	for _, r := range e.rows {
+		if r.short == short {
+			return r
+		}
+	}
+	return nil
+}
+
+// addedRatio: the latency row a adds over direct, divided by what row b
+// adds, at p50, in the same round.
+func (e *procEnv) addedRatio(a, b *procRow, mode string) paired {
+	d := e.row("direct")
+	return perRound(a, b, mode, func(a, b *procRow, mode string, i int) float64 {
+		base := d.st[mode][i].p50
+		if b.st[mode][i].p50 <= base {
+			return math.NaN() // the baseline added nothing this round: no ratio
+		}
+		return float64(a.st[mode][i].p50-base) / float64(b.st[mode][i].p50-base)
+	})
+}
+
+func cpuRatio(a, b *procRow, mode string) paired {
+	return perRound(a, b, mode, func(a, b *procRow, mode string, i int) float64 {
+		if i >= len(a.cpu[mode]) || i >= len(b.cpu[mode]) {
+			return math.NaN()
+		}
+		return a.cpu[mode][i] / b.cpu[mode][i]
+	})
+}
+
+func statRatio(f func(stat) float64) func(a, b *procRow, mode string, i int) float64 {
+	return func(a, b *procRow, mode string, i int) float64 { return f(a.st[mode][i]) / f(b.st[mode][i]) }
+}
+
+func mib(kb float64) float64 { return kb / 1024 }
+
+func (e *procEnv) report(w *bytes.Buffer, c config, conc, chart string) {
+	fmt.Fprintf(w, "\n## 0. Headline: every part in its own process\n\n")
+	fmt.Fprintf(w, "The load generator (the bench program), the counting MCP server of test/mcpserver (Go SDK, stateless, 2026-07-28),\n")
+	fmt.Fprintf(w, "the plain Go proxy (test/bench/cmd/plainproxy), nginx, redis-server and two `idemcp-proxy sidecar` processes (memory\n")
+	fmt.Fprintf(w, "store, Redis store) each run in a process of their own. A proxy's CPU is its utime+stime from /proc/PID/stat over\n")
+	fmt.Fprintf(w, "the batch (10 ms ticks); peak RSS is its VmHWM at the end of the run. %d rounds; in each, every row runs %d calls\n", c.procRounds, c.seqN)
+	fmt.Fprintf(w, "from 1 client and %d calls from %d clients, the rows in rotated order. Every figure is the median over the\n", c.procConcN, c.procClients)
+	fmt.Fprintf(w, "rounds. The load on this shared machine is in the header; absolute figures move with it, the ratios less so.\n\n")
+	fmt.Fprintf(w, "Rows: direct, the Go proxy and nginx call `charge_card` with new arguments each call (the tool runs); the\n")
+	fmt.Fprintf(w, "sidecar's passthrough row calls `refund` (a Passthrough tool), executed calls `charge_card` with new arguments,\n")
+	fmt.Fprintf(w, "replayed calls it with the same arguments (answered from the store). nginx: %s.\n\n", e.nginxNote)
+	if chart != "" {
+		fmt.Fprintf(w, "![p50 latency and proxy CPU per 1000 calls](%s)\n\n", filepath.Base(chart))
+	}
+	for _, mode := range []string{"1", conc} {
+		fmt.Fprintf(w, "### %s client(s)\n\n", mode)
+		fmt.Fprintf(w, "| path | p50 µs | p99 µs | p99.9 µs | req/s | proxy CPU ms / 1000 calls | peak RSS MiB |\n")
+		fmt.Fprintf(w, "| --- | ---: | ---: | ---: | ---: | ---: | ---: |\n")
+		for _, r := range e.rows {
+			cpu, rss := "-", "-"
+			if r.proxy != nil {
+				cpu = fmt.Sprintf("%.0f", medf(r.cpu[mode]))
+				rss = fmt.Sprintf("%.1f", mib(memKB(r.proxy.pid(), "VmHWM")))
+			}
+			s := r.st[mode]
+			fmt.Fprintf(w, "| %s | %.0f | %.0f | %.0f | %.0f | %s | %s |\n", r.name, s.med(p50us), s.med(p99us), medf(e.p999[r][mode]), s.med(rps), cpu, rss)
+		}
+		fmt.Fprintln(w)
+	}
+
+	d, gp, ng := e.row("direct"), e.row("Go proxy"), e.row("nginx")
+	ex, pass, rep := e.row("exec memory"), e.row("pass memory"), e.row("replay memory")
+	exr := e.row("exec redis")
+	fmt.Fprintf(w, "### Goals (ratios: median over rounds, range in brackets)\n\n")
+	fmt.Fprintf(w, "| goal | figure | ratio | met |\n| --- | --- | ---: | --- |\n")
+	met := func(ok bool) string {
+		if ok {
+			return "yes"
+		}
+		return "**no**"
+	}
+	goal := func(g, fig string, p paired, ok bool) {
+		if math.IsNaN(p.med) {
+			fmt.Fprintf(w, "| %s | %s | - | not measurable this run |\n", g, fig)
+			return
+		}
+		fmt.Fprintf(w, "| %s | %s | %s | %s |\n", g, fig, p, met(ok))
+	}
+	for _, mode := range []string{"1", conc} {
+		if mode == "1" {
+			a := e.addedRatio(ex, gp, mode)
+			goal("executed call: added p50 ≤ Go proxy's", "added p50 over direct, executed / Go proxy, 1 client", a, a.med <= 1)
+			if ng != nil {
+				a := e.addedRatio(ex, ng, mode)
+				goal("(aim) executed call: added p50 ≤ nginx's", "added p50 over direct, executed / nginx, 1 client", a, a.med <= 1)
+			}
+		} else {
+			// Under load the queue dominates and a proxy can beat direct;
+			// compare p50 itself.
+			a := perRound(ex, gp, mode, statRatio(p50us))
+			goal("executed call: p50 ≤ Go proxy's", "p50, executed / Go proxy, "+mode+" clients", a, a.med <= 1)
+			if ng != nil {
+				a := perRound(ex, ng, mode, statRatio(p50us))
+				goal("(aim) executed call: p50 ≤ nginx's", "p50, executed / nginx, "+mode+" clients", a, a.med <= 1)
+			}
+		}
+		cr := cpuRatio(ex, gp, mode)
+		goal("executed call: CPU per call ≤ Go proxy's", "CPU per call, executed / Go proxy, "+mode+" client(s)", cr, cr.med <= 1)
+		if ng != nil {
+			cr := cpuRatio(ex, ng, mode)
+			goal("(aim) executed call: CPU per call ≤ nginx's", "CPU per call, executed / nginx, "+mode+" client(s)", cr, cr.med <= 1)
+		}
+	}
+	t := perRound(ex, gp, conc, statRatio(rps))
+	goal("throughput at "+conc+" clients ≥ Go proxy's", "req/s, executed / Go proxy", t, t.med >= 1)
+	if ng != nil {
+		t := perRound(ex, ng, conc, statRatio(rps))
+		goal("(aim) throughput at "+conc+" clients ≥ nginx's", "req/s, executed / nginx", t, t.med >= 1)
+	}
+	for _, mode := range []string{"1", conc} {
+		a := perRound(pass, gp, mode, statRatio(p50us))
+		goal("passthrough: no worse than Go proxy", "p50, passthrough / Go proxy, "+mode+" client(s)", a, a.med <= 1)
+		p99 := perRound(pass, gp, mode, statRatio(p99us))
+		goal("passthrough: no worse than Go proxy", "p99, passthrough / Go proxy, "+mode+" client(s)", p99, p99.med <= 1)
+		r := perRound(pass, gp, mode, statRatio(rps))
+		goal("passthrough: no worse than Go proxy", "req/s, passthrough / Go proxy, "+mode+" client(s)", r, r.med >= 1)
+		cr := cpuRatio(pass, gp, mode)
+		goal("passthrough: no worse than Go proxy", "CPU per call, passthrough / Go proxy, "+mode+" client(s)", cr, cr.med <= 1)
+	}
+	rssPass := mib(memKB(e.sideMem.pid(), "VmHWM")) / mib(memKB(e.plain.pid(), "VmHWM"))
+	goal("passthrough: no worse than Go proxy", "peak RSS, sidecar (memory) / Go proxy", paired{rssPass, rssPass, rssPass}, rssPass <= 1)
+	for _, mode := range []string{"1", conc} {
+		r := perRound(rep, d, mode, statRatio(p50us))
+		goal("a replay is faster than a direct call", "p50, replayed / direct, "+mode+" client(s)", r, r.med < 1)
+	}
+	for _, mode := range []string{"1"} {
+		trips := perRound(exr, ex, mode, func(a, b *procRow, mode string, i int) float64 {
+			return float64(a.st[mode][i].p50-b.st[mode][i].p50) / float64(e.pingP50)
+		})
+		goal("Redis store adds ≤ 2 round trips over memory", fmt.Sprintf("(p50 executed redis − memory) / PING p50 (%.0f µs), %s client(s)", us(e.pingP50), mode), trips, trips.med <= 2)
+	}
+	idle := mib(e.idleRSS)
+	goal("sidecar RSS idle < 20 MiB", fmt.Sprintf("VmRSS %.1f MiB / 20 MiB", idle), paired{idle / 20, idle / 20, idle / 20}, idle < 20)
+	sess := mib(e.sessRSS)
+	goal(fmt.Sprintf("sidecar RSS with %d sessions < 100 MiB", e.sessions), fmt.Sprintf("VmRSS %.1f MiB (peak %.1f) / 100 MiB", sess, mib(e.sessPeak)), paired{sess / 100, sess / 100, sess / 100}, sess < 100)
+	su := make([]float64, len(e.startup))
+	for i, s := range e.startup {
+		su[i] = float64(s) / float64(time.Millisecond)
+	}
+	sr := rng(su)
+	goal("startup < 50 ms", fmt.Sprintf("process start to first HTTP answer, %.1f ms (%.1f-%.1f) / 50 ms, %d starts", sr.med, sr.lo, sr.hi, len(su)),
+		paired{sr.med / 50, sr.lo / 50, sr.hi / 50}, sr.med < 50)
+	fmt.Fprintf(w, "\n### Data-plane binary\n\nThe same sidecar started from the two binaries of the image, %d times each (figures: median, range):\n\n", len(e.startup))
+	fmt.Fprintf(w, "| binary | process start to first HTTP answer, ms | idle VmRSS MiB |\n| --- | ---: | ---: |\n")
+	for _, b := range []struct {
+		name string
+		st   []time.Duration
+		rss  float64
+	}{{"`idemcp-proxy sidecar` (data plane alone; the webhook injects it)", e.startup, e.proxyIdleRSS}, {"`idemcp sidecar` (manager's Kubernetes libraries linked in)", e.fullStartup, e.fullIdleRSS}} {
+		ms := make([]float64, len(b.st))
+		for i, d := range b.st {
+			ms[i] = float64(d) / float64(time.Millisecond)
+		}
+		r := rng(ms)
+		fmt.Fprintf(w, "| %s | %.1f (%.1f-%.1f) | %.1f |\n", b.name, r.med, r.lo, r.hi, mib(b.rss))
+	}
+	fmt.Fprintf(w, "\nThe sidecar's memory bound over a long run is not measured here: the memory store holds at most\n")
+	fmt.Fprintf(w, "`--memory-max-entries` records (section 1b shows the cost as recent calls grow).\n\n")
+
+	fmt.Fprintf(w, "### Duplicate rate: 5 identical calls\n\n| path | calls sent | times the tool ran |\n| --- | ---: | ---: |\n")
+	for _, r := range e.dup {
+		fmt.Fprintf(w, "| %s | %s | %s |\n", r[0], r[1], r[2])
+	}
+	fails := 0
+	for _, r := range e.rows {
+		fails += r.fail
+	}
+	fmt.Fprintf(w, "\nFailed calls over the whole section (not timed): %d.\n", fails)
+}
+
+// chart draws p50 latency and proxy CPU per 1000 calls, per row, at 1 and
+// conc clients, side by side.
+func (e *procEnv) chart(path, conc string) error {
+	names := make([]string, len(e.rows))
+	for i, r := range e.rows {
+		names[i] = r.short
+	}
+	bars := func(title, ylabel string, modes []string, f func(r *procRow, mode string) float64) (*plot.Plot, error) {
+		p := plot.New()
+		p.Title.Text = title
+		p.Y.Label.Text = ylabel
+		w := vg.Points(9)
+		for k, mode := range modes {
+			vals := make(plotter.Values, len(e.rows))
+			for i, r := range e.rows {
+				v := f(r, mode)
+				if math.IsNaN(v) {
+					v = 0
+				}
+				vals[i] = v
+			}
+			b, err := plotter.NewBarChart(vals, w)
+			if err != nil {
+				return nil, err
+			}
+			b.LineStyle.Width = 0
+			if len(modes) > 1 {
+				b.Offset = vg.Length(2*k-1) * w / 2
+			}
+			b.Color = []color.Color{color.RGBA{R: 70, G: 110, B: 180, A: 255}, color.RGBA{R: 220, G: 130, B: 50, A: 255}}[k]
+			p.Add(b)
+			p.Legend.Add(mode+" client(s)", b)
+		}
+		p.Legend.Top = true
+		p.NominalX(names...)
+		p.X.Tick.Label.Rotation = math.Pi / 4
+		p.X.Tick.Label.XAlign = draw.XRight
+		p.X.Tick.Label.YAlign = draw.YCenter
+		p.Add(plotter.NewGrid())
+		return p, nil
+	}
+	lat1, err := bars("p50 latency, 1 client", "µs", []string{"1"}, func(r *procRow, mode string) float64 { return r.st[mode].med(p50us) })
+	if err != nil {
+		return err
+	}
+	lat, err := bars("p50 latency, "+conc+" clients", "µs", []string{conc}, func(r *procRow, mode string) float64 { return r.st[mode].med(p50us) })
+	if err != nil {
+		return err
+	}
+	cpu, err := bars("proxy CPU per 1000 calls", "ms", []string{"1", conc}, func(r *procRow, mode string) float64 {
+		if r.proxy == nil {
+			return 0
+		}
+		return medf(r.cpu[mode])
+	})
+	if err != nil {
+		return err
+	}
+	img := vgimg.New(vg.Points(1200), vg.Points(380))
+	dc := draw.New(img)
+	tiles := draw.Tiles{Rows: 1, Cols: 3, PadX: vg.Points(10), PadTop: vg.Points(5), PadBottom: vg.Points(5), PadLeft: vg.Points(5), PadRight: vg.Points(5)}
+	cs := plot.Align([][]*plot.Plot{{lat1, lat, cpu}}, tiles, dc)
+	lat1.Draw(cs[0][0])
+	lat.Draw(cs[0][1])
+	cpu.Draw(cs[0][2])
+	f, err := createFile(path)
+	if err != nil {
+		return err
+	}
+	if _, err := (vgimg.PngCanvas{Canvas: img}).WriteTo(f); err != nil {
+		_ = f.Close()
+		return err
+	}
+	return f.Close()
+}
+
+func createFile(path string) (*os.File, error) { return os.Create(path) }

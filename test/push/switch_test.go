@@ -1,0 +1,135 @@
+package push
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/modelcontextprotocol/go-sdk/mcp"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/idemcp/idemcp/api/v1alpha1"
+	"github.com/idemcp/idemcp/sidecar"
+	"github.com/idemcp/idemcp/test/mcpserver"
+)
+
+// TestPassthroughToDeduplicateUnderLoad: a real `idemcp sidecar` in front
+// of a real MCP server gets the change from Passthrough to Deduplicate
+// while a client calls without pause. Every call is answered; each call
+// pair (a call and its retry) runs twice before the switch and once after,
+// from the first pair that starts after the sidecar applied it.
+func TestPassthroughToDeduplicateUnderLoad(t *testing.T) {
+	const ns, name = "push-switch", "payments"
+	namespace(t, ns)
+	mgr := startManager(t, "a", freeAddr(t))
+	spec := v1alpha1.IdempotencyPolicySpec{Tools: []v1alpha1.ToolRule{{Name: "charge_card", Mode: v1alpha1.ModePassthrough}}}
+	createPolicy(t, ns, name, spec)
+	pod, token := createPod(t, ns, "mcp-0", name)
+
+	dir := t.TempDir()
+	tokenFile := filepath.Join(dir, "token")
+	snapshot, _ := json.Marshal(v1alpha1.IdempotencyPolicy{
+		TypeMeta:   metav1.TypeMeta{APIVersion: v1alpha1.GroupVersion.String(), Kind: "IdempotencyPolicy"},
+		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name}, Spec: spec,
+	})
+	if err := os.WriteFile(tokenFile, []byte(token), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	server := mcpserver.New()
+	upstream := httptest.NewServer(server.Handler(false))
+	t.Cleanup(upstream.Close)
+	listen := freeAddr(t)
+	sc, err := sidecar.New(sidecar.Options{
+		Listen: listen, Upstream: upstream.URL, Policy: string(snapshot), LogLevel: "error",
+		Store:           sidecar.StoreOptions{MemoryMaxEntries: 1000},
+		ShutdownTimeout: 5 * time.Second,
+		Push:            sidecar.PushOptions{Endpoint: "https://" + mgr.addr, CABundle: string(caPEM), TokenFile: tokenFile},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- sc.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil && !errors.Is(err, context.Canceled) {
+			t.Logf("policy sync client: %v", err)
+		}
+	})
+	waitStatus(t, ns, name, 20*time.Second, synced(1, hashOf(t, spec)))
+	_ = pod
+
+	cl := mcp.NewClient(&mcp.Implementation{Name: "push-test", Version: "1"}, nil)
+	cctx, ccancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer ccancel()
+	cs, err := cl.Connect(cctx, &mcp.StreamableClientTransport{Endpoint: "http://" + listen, MaxRetries: -1}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = cs.Close() })
+
+	type pair struct {
+		i          int
+		startedNew bool // the sidecar enforced the new policy before the pair began
+		ran        int
+		at         time.Time
+	}
+	var pairs []pair
+	var newHash string
+	var updatedAt time.Time
+	afterSwitch := 0
+	for i := 0; afterSwitch < 15; i++ {
+		if i == 10 {
+			updatedAt = time.Now()
+			newHash = updatePolicy(t, ns, name, func(s *v1alpha1.IdempotencyPolicySpec) { s.Tools[0].Mode = v1alpha1.ModeDeduplicate })
+		}
+		if i > 500 {
+			t.Fatal("the change never reached the sidecar")
+		}
+		p := pair{i: i, at: time.Now(), startedNew: newHash != "" && sc.Engine().Policy().Hash == newHash}
+		before := server.Counts.Get("charge_card")
+		args := map[string]any{"card": fmt.Sprintf("card-%d", i), "amount": i}
+		for try := range 2 {
+			res, err := cs.CallTool(context.Background(), &mcp.CallToolParams{Name: "charge_card", Arguments: args})
+			if err != nil || res.IsError {
+				t.Fatalf("pair %d, call %d was not answered: %v %+v", i, try, err, res)
+			}
+		}
+		p.ran = server.Counts.Get("charge_card") - before
+		pairs = append(pairs, p)
+		if p.startedNew {
+			afterSwitch++
+		}
+	}
+	first := -1
+	var firstAt time.Time
+	for _, p := range pairs {
+		switch {
+		case p.startedNew:
+			if first < 0 {
+				first, firstAt = p.i, p.at
+			}
+			if p.ran != 1 {
+				t.Fatalf("pair %d began under Deduplicate and ran %d times, want 1", p.i, p.ran)
+			}
+		default:
+			// Passthrough, or straddling the switch: the first call was not
+			// recorded, so the retry runs once more; never a third time.
+			if p.ran != 2 {
+				t.Fatalf("pair %d under Passthrough ran %d times, want 2", p.i, p.ran)
+			}
+		}
+	}
+	took := firstAt.Sub(updatedAt)
+	t.Logf("%d pairs; the switch took effect from pair %d, %s after the update (sent before pair 10)", len(pairs), first, took)
+	if took > time.Second {
+		t.Fatalf("the change took effect %s after it was made, want under 1s", took)
+	}
+}
