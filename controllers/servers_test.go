@@ -4,7 +4,6 @@ import (
 	"context"
 	"crypto/tls"
 	"fmt"
-	"github.com/idemcp/idemcp/internal/freeport"
 	"io"
 	"net"
 	"net/http"
@@ -19,6 +18,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/idemcp/idemcp/cmd/manager"
+	"github.com/idemcp/idemcp/internal/freeport"
 	"github.com/idemcp/idemcp/webhook"
 )
 

@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"github.com/idemcp/idemcp/internal/freeport"
 	"io"
 	"net"
 	"net/http"
@@ -23,6 +22,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/idemcp/idemcp/api/v1alpha1"
+	"github.com/idemcp/idemcp/internal/freeport"
 	"github.com/idemcp/idemcp/test/mcpserver"
 	"github.com/idemcp/idemcp/webhook"
 )

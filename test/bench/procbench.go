@@ -6,7 +6,6 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"github.com/idemcp/idemcp/internal/freeport"
 	"io"
 	"math"
 	"net"
@@ -21,6 +20,8 @@ import (
 	"time"
 
 	"github.com/redis/go-redis/v9"
+
+	"github.com/idemcp/idemcp/internal/freeport"
 )
 
 // The separate-process section: the load generator (this process), the

@@ -18,7 +18,6 @@ import (
 	"errors"
 	"flag"
 	"fmt"
-	"github.com/idemcp/idemcp/internal/freeport"
 	"io"
 	"net"
 	"net/http"
@@ -46,6 +45,7 @@ import (
 
 	"github.com/idemcp/idemcp/api/v1alpha1"
 	"github.com/idemcp/idemcp/cmd/manager"
+	"github.com/idemcp/idemcp/internal/freeport"
 	"github.com/idemcp/idemcp/test/mcpserver"
 )
 

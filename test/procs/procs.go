@@ -8,7 +8,6 @@ import (
 	"bufio"
 	"errors"
 	"fmt"
-	"github.com/idemcp/idemcp/internal/freeport"
 	"net"
 	"net/http"
 	"os"
@@ -19,6 +18,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/idemcp/idemcp/internal/freeport"
 )
 
 var build struct {

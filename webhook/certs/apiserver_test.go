@@ -4,8 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"github.com/idemcp/idemcp/internal/freeport"
-	"net"
 	"net/http"
 	"testing"
 	"time"
@@ -18,6 +16,7 @@ import (
 	ctrlwebhook "sigs.k8s.io/controller-runtime/pkg/webhook"
 	"sigs.k8s.io/controller-runtime/pkg/webhook/admission"
 
+	"github.com/idemcp/idemcp/internal/freeport"
 	"github.com/idemcp/idemcp/webhook/certs"
 )
 

@@ -17,7 +17,6 @@ import (
 	"context"
 	"flag"
 	"fmt"
-	"github.com/idemcp/idemcp/internal/freeport"
 	"io"
 	"net"
 	"net/http"
@@ -48,6 +47,7 @@ import (
 
 	"github.com/idemcp/idemcp/api/v1alpha1"
 	"github.com/idemcp/idemcp/cmd/manager"
+	"github.com/idemcp/idemcp/internal/freeport"
 	"github.com/idemcp/idemcp/internal/policy"
 	"github.com/idemcp/idemcp/internal/policywire"
 	"github.com/idemcp/idemcp/sidecar/engine"

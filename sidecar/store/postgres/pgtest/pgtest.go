@@ -11,7 +11,6 @@ package pgtest
 import (
 	"context"
 	"fmt"
-	"github.com/idemcp/idemcp/internal/freeport"
 	"net"
 	"os"
 	"os/exec"
@@ -27,6 +26,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/idemcp/idemcp/internal/freeport"
 	"github.com/idemcp/idemcp/test/testdeps"
 )
 

@@ -10,7 +10,6 @@ import (
 	"bufio"
 	"errors"
 	"fmt"
-	"github.com/idemcp/idemcp/internal/freeport"
 	"io"
 	"net"
 	"os"
@@ -23,6 +22,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/idemcp/idemcp/internal/freeport"
 	"github.com/idemcp/idemcp/test/testdeps"
 )
 
