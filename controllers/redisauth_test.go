@@ -17,6 +17,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
+	"github.com/idemcp/idemcp/internal/freeport"
 	"github.com/idemcp/idemcp/sidecar/store/redis/redistest"
 )
 
@@ -73,12 +74,7 @@ func TestManagedRedisRefusesClientsWithoutThePassword(t *testing.T) {
 	if strings.Contains(strings.Join(args, " "), string(secret.Data["password"])) {
 		t.Fatal("the password is on Redis's command line, where ps shows it")
 	}
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	port := l.Addr().(*net.TCPAddr).Port
-	_ = l.Close()
+	port := freeport.LoopbackPort(t)
 	args = append(args, "--port", strconv.Itoa(port), "--bind", "127.0.0.1", "--daemonize", "no", "--maxmemory", "64mb")
 	cmd := exec.Command(bin, args...)
 	var out strings.Builder

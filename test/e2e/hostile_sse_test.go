@@ -19,6 +19,7 @@ import (
 
 	"github.com/modelcontextprotocol/go-sdk/mcp"
 
+	"github.com/idemcp/idemcp/internal/freeport"
 	"github.com/idemcp/idemcp/sidecar/mcpmsg"
 )
 
@@ -86,12 +87,7 @@ func (h *hostileSSE) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 func startSidecarBinary(t *testing.T, upstream string) (string, *exec.Cmd) {
 	t.Helper()
 	bins := buildWrapBins(t)
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	addr := ln.Addr().String()
-	_ = ln.Close()
+	addr := freeport.Loopback(t)
 	var stderr lockedBuffer
 	cmd := exec.Command(bins.idemcp, "sidecar", "--listen", addr, "--upstream", upstream, "--admin-listen", "", "--log-level", "error")
 	cmd.Stderr = &stderr

@@ -7,7 +7,6 @@ import (
 	"crypto/tls"
 	"crypto/x509"
 	"fmt"
-	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -22,6 +21,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/envtest"
 
 	"github.com/idemcp/idemcp/cmd/manager"
+	"github.com/idemcp/idemcp/internal/freeport"
 	"github.com/idemcp/idemcp/test/envtestutil"
 	"github.com/idemcp/idemcp/webhook"
 )
@@ -81,12 +81,7 @@ func TestManagerIssuesItsWebhookCertificate(t *testing.T) {
 		t.Fatal("a webhook Secret exists before the manager ran")
 	}
 
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	port := l.Addr().(*net.TCPAddr).Port
-	_ = l.Close()
+	port := freeport.LoopbackPort(t)
 	certDir := t.TempDir()
 	mgr, err := manager.New(cfg, manager.Options{
 		MetricsAddr: "0", ProbeAddr: "0", Namespace: "idemcp-system", MissingPolicy: "deny",
