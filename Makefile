@@ -4,6 +4,8 @@ SHELL := /usr/bin/env bash -o pipefail
 
 IMG ?= ghcr.io/idemcp/idemcp:v0.1.0
 CHART_VERSION ?= 0.1.0
+# The demo MCP server's image, for make demo on a real cluster.
+DEMO_SERVER_IMG ?= ghcr.io/idemcp/idemcp-demo-server:dev
 LOCALBIN ?= $(CURDIR)/bin
 GO ?= go
 
@@ -77,8 +79,18 @@ test: test-deps vet helm ## Run every test: unit, store contract, envtest, and e
 	$(MAKE) chaos
 
 .PHONY: demo
-demo: build ## Show idemcp's main job on a local control plane: injection, 5 retries -> 1 charge, a live policy change (about a minute; the first run builds kube-apiserver, 5-10 minutes).
+demo: build ## Show idemcp's main job on a local control plane: injection, 5 retries -> 1 charge, a live policy change (about a minute; the first run builds kube-apiserver, 5-10 minutes). With KUBECONFIG=... on the command line: on that real cluster, with the images IMG and DEMO_SERVER_IMG (make demo-images).
+ifeq ($(origin KUBECONFIG),command line)
+	$(GO) run ./test/demo --kubeconfig "$(KUBECONFIG)" --image $(IMG) --server-image $(DEMO_SERVER_IMG)
+else
 	@assets="$$(hack/setup-envtest.sh)"; $(GO) run ./test/demo --idemcp $(LOCALBIN)/idemcp --assets "$$assets"
+endif
+
+.PHONY: demo-images
+demo-images: image ## Write the images make demo KUBECONFIG=... runs: dist/idemcp-image.tar (IMG) and dist/idemcp-demo-server.tar (DEMO_SERVER_IMG).
+	CGO_ENABLED=0 GOOS=linux GOARCH=amd64 $(GO) build -trimpath -ldflags "-s -w" -o $(LOCALBIN)/linux-amd64/idemcp-demo-server ./test/demo
+	$(GO) run ./hack/image --app $(LOCALBIN)/linux-amd64/idemcp-demo-server --image $(DEMO_SERVER_IMG) --out dist/idemcp-demo-server.tar
+	@echo "load both into the cluster (kind load image-archive, ctr -n k8s.io images import) or push them, then: make demo KUBECONFIG=... IMG=$(IMG) DEMO_SERVER_IMG=$(DEMO_SERVER_IMG)"
 
 .PHONY: chaos
 chaos: ## The chaos tests (3 sidecars, a real Redis, injected faults; about 3 minutes), printing their counts.

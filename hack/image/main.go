@@ -4,6 +4,10 @@
 // (and the system's CA bundle, for Redis TLS), run as user 65532 like the
 // Dockerfile's distroless base. Import it with `ctr images import`,
 // `kind load image-archive`, or push it with --push (make image-push).
+//
+// With --app instead, it writes an image of one other static binary at
+// /app, its entrypoint, on the same base: the demo's MCP server
+// (make demo-images), or a test server.
 package main
 
 import (
@@ -31,8 +35,15 @@ func main() {
 	ref := flag.String("image", "ghcr.io/idemcp/idemcp:dev", "the image's name and tag")
 	caBundle := flag.String("ca-bundle", "/etc/ssl/certs/ca-certificates.crt", "CA certificates to include (skipped if the file does not exist)")
 	push := flag.Bool("push", false, "also push the image to its registry (credentials from ~/.docker/config.json, as docker login writes them)")
+	app := flag.String("app", "", "instead of idemcp, an image of this one static binary at /app, its entrypoint")
 	flag.Parse()
-	if err := run(*binary, *proxyBinary, *out, *ref, *caBundle, *push); err != nil {
+	var err error
+	if *app != "" {
+		err = runApp(*app, *out, *ref, *caBundle, *push)
+	} else {
+		err = run(*binary, *proxyBinary, *out, *ref, *caBundle, *push)
+	}
+	if err != nil {
 		fmt.Fprintf(os.Stderr, "image: %v\n", err)
 		os.Exit(1)
 	}
@@ -42,10 +53,6 @@ func run(binary, proxyBinary, out, ref, caBundle string, push bool) error {
 	if binary == "" || proxyBinary == "" || out == "" {
 		return fmt.Errorf("--binary, --proxy-binary and --out are required")
 	}
-	tag, err := name.NewTag(ref)
-	if err != nil {
-		return fmt.Errorf("--image %q: %w", ref, err)
-	}
 	bin, err := os.ReadFile(binary)
 	if err != nil {
 		return err
@@ -54,7 +61,29 @@ func run(binary, proxyBinary, out, ref, caBundle string, push bool) error {
 	if err != nil {
 		return err
 	}
-	files := []file{{path: "idemcp", mode: 0o755, data: bin}, {path: "idemcp-proxy", mode: 0o755, data: proxy}, {path: "tmp/", mode: 0o1777}}
+	return write([]file{{path: "idemcp", mode: 0o755, data: bin}, {path: "idemcp-proxy", mode: 0o755, data: proxy}}, "/idemcp", out, ref, caBundle, push)
+}
+
+// runApp writes the image of one binary at /app.
+func runApp(app, out, ref, caBundle string, push bool) error {
+	if out == "" {
+		return fmt.Errorf("--out is required")
+	}
+	bin, err := os.ReadFile(app)
+	if err != nil {
+		return fmt.Errorf("--app: %w", err)
+	}
+	return write([]file{{path: "app", mode: 0o755, data: bin}}, "/app", out, ref, caBundle, push)
+}
+
+// write builds the image of files (plus /tmp and the CA bundle), run as
+// 65532 with entrypoint, and writes it to out, pushing it too if asked.
+func write(files []file, entrypoint, out, ref, caBundle string, push bool) error {
+	tag, err := name.NewTag(ref)
+	if err != nil {
+		return fmt.Errorf("--image %q: %w", ref, err)
+	}
+	files = append(files, file{path: "tmp/", mode: 0o1777})
 	if ca, err := os.ReadFile(caBundle); err == nil {
 		files = append(files, file{path: "etc/ssl/certs/", mode: 0o755}, file{path: "etc/ssl/certs/ca-certificates.crt", mode: 0o644, data: ca})
 	}
@@ -72,7 +101,7 @@ func run(binary, proxyBinary, out, ref, caBundle string, push bool) error {
 		Architecture: "amd64",
 		OS:           "linux",
 		Config: v1.Config{
-			Entrypoint: []string{"/idemcp"},
+			Entrypoint: []string{entrypoint},
 			User:       "65532:65532",
 		},
 		RootFS: v1.RootFS{Type: "layers"},

@@ -36,6 +36,8 @@ import (
 	authenticationv1 "k8s.io/api/authentication/v1"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	"k8s.io/utils/ptr"
@@ -50,10 +52,16 @@ import (
 )
 
 const (
-	namespace  = "demo"
 	policyName = "payments"
 	serverPort = 18080
 	agentToken = "Bearer demo-agent"
+)
+
+var (
+	// namespace is the demo's; on a real cluster one less likely to be taken.
+	namespace = "demo"
+	// serverBase is where the demo reaches the MCP server directly.
+	serverBase = fmt.Sprintf("http://127.0.0.1:%d", serverPort)
 )
 
 func main() {
@@ -64,7 +72,17 @@ func main() {
 	var d demo
 	flag.StringVar(&d.idemcp, "idemcp", "bin/idemcp", "the idemcp binary to run as manager and sidecar")
 	flag.StringVar(&d.assets, "assets", os.Getenv("KUBEBUILDER_ASSETS"), "directory of kube-apiserver, etcd and kubectl (hack/setup-envtest.sh prints it)")
+	flag.StringVar(&d.kconfig, "kubeconfig", "", "run on the real cluster of this kubeconfig instead of an embedded control plane")
+	flag.StringVar(&d.image, "image", "", "with --kubeconfig: idemcp's image, loaded in or pullable by the cluster (make image IMG=...)")
+	flag.StringVar(&d.serverImage, "server-image", "", "with --kubeconfig: the demo MCP server's image (make demo-images)")
 	flag.Parse()
+	if d.kconfig != "" {
+		if d.image == "" || d.serverImage == "" {
+			fmt.Fprintln(os.Stderr, "demo: --kubeconfig needs --image and --server-image (make demo-images IMG=... DEMO_SERVER_IMG=..., then load or push both)")
+			os.Exit(2)
+		}
+		namespace = "idemcp-demo"
+	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	os.Exit(d.run(ctx))
@@ -84,7 +102,21 @@ type demo struct {
 	procs   []*proc
 	pod     *corev1.Pod
 	proxy   string // the sidecar's MCP endpoint
+
+	// On a real cluster (--kubeconfig).
+	image, serverImage string
+	installed          bool // idemcp was not there before: uninstall it at the end
+	createdNS          bool
+	manifest           []*unstructured.Unstructured
+	stopForward        chan struct{}
 }
+
+type step struct {
+	title string
+	fn    func(context.Context) error
+}
+
+func (d *demo) cluster() bool { return d.image != "" }
 
 func (d *demo) run(ctx context.Context) (code int) {
 	d.start = time.Now()
@@ -94,10 +126,7 @@ func (d *demo) run(ctx context.Context) (code int) {
 		return 1
 	}
 	defer d.cleanup()
-	steps := []struct {
-		title string
-		fn    func(context.Context) error
-	}{
+	steps := []step{
 		{"Start a local control plane (kube-apiserver and etcd)", d.controlPlane},
 		{"Run idemcp manager against it (controller, webhook, policy stream)", d.manager},
 		{"Apply an IdempotencyPolicy and an opted-in Deployment of an MCP server", d.apply},
@@ -107,6 +136,11 @@ func (d *demo) run(ctx context.Context) (code int) {
 		{"A burst: 20 concurrent identical calls through idemcp", d.burst},
 		{"Change the policy live: refund becomes Deduplicate", d.liveChange},
 		{"What kubectl shows", d.kubectl},
+	}
+	where := "the embedded control plane"
+	if d.cluster() {
+		steps = d.clusterSteps()
+		where = "the cluster"
 	}
 	for _, s := range steps {
 		d.n++
@@ -120,7 +154,7 @@ func (d *demo) run(ctx context.Context) (code int) {
 		fmt.Printf("      (%s)\n", time.Since(t).Round(10*time.Millisecond))
 	}
 	fmt.Printf(`
-Done in %s. What happened:
+Done in %s on %s. What happened:
   - the webhook injected idemcp's sidecar into an opted-in pod, with the policy's snapshot;
   - the agent's 5 retries charged the card 5 times directly and once through idemcp;
   - a live policy change reached the running sidecar without a restart.
@@ -128,7 +162,7 @@ Next:
   - README.md "Install on a cluster": make build-installer IMG=... and kubectl apply -f dist/install.yaml
   - config/samples: the policies and an example MCP server Deployment and Service
   - idemcp wrap -- node my-server.js: the same proxy in front of a stdio server
-`, time.Since(d.start).Round(100*time.Millisecond))
+`, time.Since(d.start).Round(100*time.Millisecond), where)
 	return 0
 }
 
@@ -241,7 +275,7 @@ func (d *demo) apply(ctx context.Context) error {
 	if err := d.k8s.Create(ctx, pol); err != nil {
 		return fmt.Errorf("applying the policy: %w", err)
 	}
-	dep := deployment()
+	dep := d.deployment()
 	if err := d.k8s.Create(ctx, dep); err != nil {
 		return fmt.Errorf("creating the Deployment: %w", err)
 	}
@@ -251,10 +285,10 @@ func (d *demo) apply(ctx context.Context) error {
 	return nil
 }
 
-func deployment() *appsv1.Deployment {
+func (d *demo) deployment() *appsv1.Deployment {
 	labels := map[string]string{"app": "payments-mcp"}
 	tmplLabels := map[string]string{"app": "payments-mcp", "idemcp.io/inject": "true"}
-	return &appsv1.Deployment{
+	dep := &appsv1.Deployment{
 		ObjectMeta: metav1.ObjectMeta{Name: "payments-mcp", Namespace: namespace},
 		Spec: appsv1.DeploymentSpec{
 			Selector: &metav1.LabelSelector{MatchLabels: labels},
@@ -271,12 +305,24 @@ func deployment() *appsv1.Deployment {
 			},
 		},
 	}
+	if d.cluster() {
+		c := &dep.Spec.Template.Spec.Containers[0]
+		c.Image = d.serverImage
+		c.Args = []string{"server", "--listen", fmt.Sprintf("0.0.0.0:%d", serverPort)}
+		c.ReadinessProbe = &corev1.Probe{ProbeHandler: corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/counts", Port: intstr.FromInt32(serverPort)}}, PeriodSeconds: 1}
+		c.SecurityContext = &corev1.SecurityContext{
+			AllowPrivilegeEscalation: ptr.To(false), ReadOnlyRootFilesystem: ptr.To(true), RunAsNonRoot: ptr.To(true),
+			Capabilities: &corev1.Capabilities{Drop: []corev1.Capability{"ALL"}},
+		}
+		dep.Spec.Template.Spec.SecurityContext = &corev1.PodSecurityContext{SeccompProfile: &corev1.SeccompProfile{Type: corev1.SeccompProfileTypeRuntimeDefault}}
+	}
+	return dep
 }
 
 // createPod creates the pod a ReplicaSet would (no controller-manager runs
 // here), so that the real API server calls the webhook.
 func (d *demo) createPod(ctx context.Context) error {
-	dep := deployment()
+	dep := d.deployment()
 	pod := &corev1.Pod{
 		ObjectMeta: *dep.Spec.Template.ObjectMeta.DeepCopy(),
 		Spec:       *dep.Spec.Template.Spec.DeepCopy(),
@@ -286,10 +332,16 @@ func (d *demo) createPod(ctx context.Context) error {
 		return fmt.Errorf("creating the pod (the webhook answers for it): %w", err)
 	}
 	d.pod = pod
-	sc := sidecarOf(pod)
-	if sc == nil {
+	if sidecarOf(pod) == nil {
 		return errors.New("the webhook admitted the pod without a sidecar; see the manager's log")
 	}
+	printInjected(pod)
+	return nil
+}
+
+// printInjected prints the essentials of the injected pod spec.
+func printInjected(pod *corev1.Pod) {
+	sc := sidecarOf(pod)
 	fmt.Printf("      injected: %s\n", pod.Annotations["idemcp.io/status"])
 	fmt.Printf("      sidecar %q, image %s, restartPolicy %s (a native sidecar: up before the server, down after it)\n", sc.Name, sc.Image, ptr.Deref(sc.RestartPolicy, "-"))
 	fmt.Printf("        args: %s\n", strings.Join(sc.Args, " "))
@@ -313,7 +365,6 @@ func (d *demo) createPod(ctx context.Context) error {
 	for _, p := range sc.Ports {
 		fmt.Printf("      sidecar port %s %d\n", p.Name, p.ContainerPort)
 	}
-	return nil
 }
 
 func sidecarOf(pod *corev1.Pod) *corev1.Container {
@@ -492,7 +543,7 @@ func (d *demo) materializeVolumes(ctx context.Context, c *corev1.Container) (map
 }
 
 func (d *demo) retries(ctx context.Context) error {
-	direct := fmt.Sprintf("http://127.0.0.1:%d/mcp", serverPort)
+	direct := serverBase + "/mcp"
 	args := map[string]any{"card": "4242", "amount": 5}
 	before, err := charges("charge_card")
 	if err != nil {
@@ -595,7 +646,7 @@ func (d *demo) liveChange(ctx context.Context) error {
 }
 
 func (d *demo) kubectl(ctx context.Context) error {
-	kubectl := filepath.Join(d.assets, "kubectl")
+	kubectl := d.kubectlPath()
 	for _, args := range [][]string{
 		{"get", "idpol", "-n", namespace},
 		{"describe", "idpol", "-n", namespace, policyName},
@@ -657,6 +708,9 @@ func (d *demo) start1(name, bin string, args, env []string) (*proc, error) {
 }
 
 func (d *demo) cleanup() {
+	if d.cluster() {
+		d.cleanupCluster()
+	}
 	for i := len(d.procs) - 1; i >= 0; i-- {
 		p := d.procs[i]
 		_ = syscall.Kill(-p.cmd.Process.Pid, syscall.SIGTERM)
@@ -749,7 +803,7 @@ func (authTransport) RoundTrip(r *http.Request) (*http.Response, error) {
 }
 
 func charges(tool string) (int, error) {
-	resp, err := http.Get(fmt.Sprintf("http://127.0.0.1:%d/counts", serverPort)) //nolint:noctx // loopback
+	resp, err := http.Get(serverBase + "/counts") //nolint:noctx // loopback
 	if err != nil {
 		return 0, err
 	}
