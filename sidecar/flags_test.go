@@ -1,6 +1,11 @@
 package sidecar
 
-import "testing"
+import (
+	"context"
+	"strings"
+	"testing"
+	"time"
+)
 
 // By hand the admin listener is loopback only; in a pod the webhook sets
 // its port on every interface. The limit flags take their defaults, or
@@ -16,5 +21,30 @@ func TestFlagDefaults(t *testing.T) {
 	}
 	if o.Limits.MaxStreams != 77 || o.Limits.MaxWaitersPerKey != 5 || o.Limits.MaxStreamsPerPrincipal != 4096 || o.Limits.MaxWaitersPerPrincipal != 4096 {
 		t.Errorf("limits %+v, want streams 77 (env), waiters/key 5 (flag), the rest defaults", o.Limits)
+	}
+}
+
+// TestEnvErrorsNameTheVariable: values from IDEMCP_* that fail the checks
+// made after parsing (the upstream's scheme, the listen address) are
+// reported under the variable's name.
+func TestEnvErrorsNameTheVariable(t *testing.T) {
+	for _, tc := range []struct{ env, value, want string }{
+		{"IDEMCP_UPSTREAM", "ftp://x", `IDEMCP_UPSTREAM (--upstream): "ftp://x" is not an http:// or https:// URL with a host`},
+		{"IDEMCP_LOG_LEVEL", "loud", `IDEMCP_LOG_LEVEL: "loud" is not one of debug, info, warn, error`},
+		{"IDEMCP_LISTEN", "nonsense", "IDEMCP_LISTEN (--listen): listen tcp: address nonsense: missing port in address"},
+	} {
+		t.Run(tc.env, func(t *testing.T) {
+			t.Setenv(tc.env, tc.value)
+			args := []string{"--admin-listen", ""}
+			if tc.env != "IDEMCP_UPSTREAM" {
+				args = append(args, "--upstream", "http://127.0.0.1:1")
+			}
+			ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+			defer cancel()
+			err := Main(ctx, args)
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("got %v\nwant one containing %s", err, tc.want)
+			}
+		})
 	}
 }

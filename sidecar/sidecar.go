@@ -183,9 +183,9 @@ func Main(ctx context.Context, args []string) error {
 	}
 	s, err := New(o)
 	if err != nil {
-		return err
+		return fs.Attribute(err)
 	}
-	return s.Run(ctx)
+	return fs.Attribute(s.Run(ctx))
 }
 
 // Sidecar is a configured proxy, ready to run.

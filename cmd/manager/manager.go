@@ -248,7 +248,7 @@ func Main(ctx context.Context, args []string) error {
 	}
 	// Bad flags are reported before anything connects to a cluster.
 	if err := o.Validate(); err != nil {
-		return err
+		return fs.Attribute(err)
 	}
 	ctrl.SetLogger(zap.New(zap.UseFlagOptions(&o.Zap)))
 	v := version.Get()
@@ -259,7 +259,7 @@ func Main(ctx context.Context, args []string) error {
 	}
 	mgr, err := New(cfg, o)
 	if err != nil {
-		return err
+		return fs.Attribute(err)
 	}
 	return mgr.Start(ctx)
 }

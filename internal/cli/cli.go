@@ -81,6 +81,57 @@ func (s *Set) Env(name string) []string { return s.envs[name] }
 // environment variable's name, or "" for its default.
 func (s *Set) Source(name string) string { return s.source[name] }
 
+// Attribute names the environment variable in a later error about a flag
+// whose value came from one: "--listen: ..." becomes "IDEMCP_LISTEN
+// (--listen): ...", so a user fixes the variable, not a flag they never
+// passed. Errors about flags set on the command line or left at their
+// default, and errors that name the variable already, are unchanged.
+func (s *Set) Attribute(err error) error {
+	if err == nil {
+		return nil
+	}
+	msg := err.Error()
+	out := msg
+	for name, src := range s.source {
+		if strings.HasPrefix(src, "-") || src == "" || strings.Contains(msg, src) {
+			continue
+		}
+		out = replaceFlag(out, "--"+name, src+" (--"+name+")")
+	}
+	if out == msg {
+		return err
+	}
+	return &attributed{msg: out, err: err}
+}
+
+// replaceFlag replaces flag in msg where it stands as a whole name.
+func replaceFlag(msg, flag, with string) string {
+	var b strings.Builder
+	for {
+		i := strings.Index(msg, flag)
+		if i < 0 {
+			b.WriteString(msg)
+			return b.String()
+		}
+		end := i + len(flag)
+		b.WriteString(msg[:i])
+		if end < len(msg) && (msg[end] == '-' || msg[end] == '_' || msg[end] >= 'a' && msg[end] <= 'z' || msg[end] >= '0' && msg[end] <= '9') {
+			b.WriteString(flag) // a longer flag's name
+		} else {
+			b.WriteString(with)
+		}
+		msg = msg[end:]
+	}
+}
+
+type attributed struct {
+	msg string
+	err error
+}
+
+func (e *attributed) Error() string { return e.msg }
+func (e *attributed) Unwrap() error { return e.err }
+
 // Parse reads args, then the environment for the flags args did not set.
 // With -h or --help it prints the help and returns flag.ErrHelp.
 func (s *Set) Parse(args []string) error {

@@ -86,3 +86,37 @@ func TestHelp(t *testing.T) {
 		t.Errorf("boolean flag without a value: %v", err)
 	}
 }
+
+// TestLaterErrorsNameTheVariable: an error found after parsing, about a
+// flag whose value came from the environment, names the variable to fix;
+// one set on the command line still names the flag.
+func TestLaterErrorsNameTheVariable(t *testing.T) {
+	t.Setenv("IDEMCP_LISTEN", "nonsense")
+	t.Setenv("IDEMCP_LISTEN_BACKLOG", "3")
+	s := New("idemcp test", "")
+	listen := s.String("listen", ":8081", "")
+	s.Int("listen-backlog", 1, "")
+	upstream := s.String("upstream", "", "")
+	s.BindEnv("IDEMCP_")
+	if err := s.Parse([]string{"--upstream", "ftp://x"}); err != nil {
+		t.Fatal(err)
+	}
+	if *listen != "nonsense" || *upstream != "ftp://x" {
+		t.Fatalf("listen %q upstream %q", *listen, *upstream)
+	}
+	cause := errors.New("--listen: listen tcp: address nonsense: missing port in address; --listen-backlog is fine")
+	err := s.Attribute(cause)
+	want := "IDEMCP_LISTEN (--listen): listen tcp: address nonsense: missing port in address; IDEMCP_LISTEN_BACKLOG (--listen-backlog) is fine"
+	if err == nil || err.Error() != want {
+		t.Fatalf("got %v\nwant %s", err, want)
+	}
+	if !errors.Is(err, cause) {
+		t.Error("the attributed error does not wrap its cause")
+	}
+	if got := s.Attribute(errors.New(`--upstream: "ftp://x" is not an http:// URL`)).Error(); got != `--upstream: "ftp://x" is not an http:// URL` {
+		t.Errorf("a command-line flag's error changed: %s", got)
+	}
+	if s.Attribute(nil) != nil {
+		t.Error("Attribute(nil) is not nil")
+	}
+}

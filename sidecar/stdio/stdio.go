@@ -99,11 +99,11 @@ func Main(ctx context.Context, args []string) error {
 	}
 	w, err := New(o, fs.Args(), os.Stdin, os.Stdout, os.Stderr)
 	if err != nil {
-		return err
+		return fs.Attribute(err)
 	}
 	code, err := w.Run(ctx)
 	if err != nil {
-		return err
+		return fs.Attribute(err)
 	}
 	if code != 0 {
 		// The server's exit code is ours: its host reads it.
