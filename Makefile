@@ -81,7 +81,7 @@ test: test-deps vet helm ## Run every test: unit, store contract, envtest, and e
 .PHONY: demo
 demo: build ## Show idemcp's main job on a local control plane: injection, 5 retries -> 1 charge, a live policy change (about a minute; the first run builds kube-apiserver, 5-10 minutes). With KUBECONFIG=... on the command line: on that real cluster, with the images IMG and DEMO_SERVER_IMG (make demo-images).
 ifeq ($(origin KUBECONFIG),command line)
-	$(GO) run ./test/demo --kubeconfig "$(KUBECONFIG)" --image $(IMG) --server-image $(DEMO_SERVER_IMG)
+	$(GO) run ./test/demo --cluster "$(KUBECONFIG)" --image $(IMG) --server-image $(DEMO_SERVER_IMG)
 else
 	@assets="$$(hack/setup-envtest.sh)"; $(GO) run ./test/demo --idemcp $(LOCALBIN)/idemcp --assets "$$assets"
 endif

@@ -60,7 +60,7 @@ func (d *demo) connect(ctx context.Context) error {
 	cfg, err := clientcmd.NewNonInteractiveDeferredLoadingClientConfig(
 		&clientcmd.ClientConfigLoadingRules{ExplicitPath: d.kconfig}, nil).ClientConfig()
 	if err != nil {
-		return fmt.Errorf("--kubeconfig %s: %w", d.kconfig, err)
+		return fmt.Errorf("KUBECONFIG %s: %w", d.kconfig, err)
 	}
 	d.cfg = cfg
 	if d.k8s, err = client.New(cfg, client.Options{Scheme: manager.NewScheme()}); err != nil {

@@ -53,15 +53,20 @@ import (
 
 const (
 	policyName = "payments"
-	serverPort = 18080
 	agentToken = "Bearer demo-agent"
 )
 
 var (
 	// namespace is the demo's; on a real cluster one less likely to be taken.
 	namespace = "demo"
+	// serverPort is the MCP server's port in the pod; on the embedded
+	// control plane, a free loopback port, since the demo runs the pod here.
+	serverPort int32 = 18080
 	// serverBase is where the demo reaches the MCP server directly.
 	serverBase = fmt.Sprintf("http://127.0.0.1:%d", serverPort)
+	// sidecarPort and sidecarAdminPort are the injected sidecar's, which
+	// the manager is told to inject on the embedded control plane.
+	sidecarPort, sidecarAdminPort int32
 )
 
 func main() {
@@ -72,16 +77,28 @@ func main() {
 	var d demo
 	flag.StringVar(&d.idemcp, "idemcp", "bin/idemcp", "the idemcp binary to run as manager and sidecar")
 	flag.StringVar(&d.assets, "assets", os.Getenv("KUBEBUILDER_ASSETS"), "directory of kube-apiserver, etcd and kubectl (hack/setup-envtest.sh prints it)")
-	flag.StringVar(&d.kconfig, "kubeconfig", "", "run on the real cluster of this kubeconfig instead of an embedded control plane")
-	flag.StringVar(&d.image, "image", "", "with --kubeconfig: idemcp's image, loaded in or pullable by the cluster (make image IMG=...)")
-	flag.StringVar(&d.serverImage, "server-image", "", "with --kubeconfig: the demo MCP server's image (make demo-images)")
+	flag.StringVar(&d.kconfig, "cluster", "", "the kubeconfig of a real cluster to run on, instead of an embedded control plane")
+	flag.StringVar(&d.image, "image", "", "with --cluster: idemcp's image, loaded in or pullable by the cluster (make image IMG=...)")
+	flag.StringVar(&d.serverImage, "server-image", "", "with --cluster: the demo MCP server's image (make demo-images)")
 	flag.Parse()
 	if d.kconfig != "" {
 		if d.image == "" || d.serverImage == "" {
-			fmt.Fprintln(os.Stderr, "demo: --kubeconfig needs --image and --server-image (make demo-images IMG=... DEMO_SERVER_IMG=..., then load or push both)")
+			fmt.Fprintln(os.Stderr, "demo: --cluster needs --image and --server-image (make demo-images IMG=... DEMO_SERVER_IMG=..., then load or push both)")
 			os.Exit(2)
 		}
 		namespace = "idemcp-demo"
+	} else {
+		// The demo runs the pod's processes on this machine: take ports
+		// nothing else holds for the server and the sidecar.
+		for _, p := range []*int32{&serverPort, &sidecarPort, &sidecarAdminPort} {
+			n, err := freeport.Port("127.0.0.1")
+			if err != nil {
+				fmt.Fprintln(os.Stderr, "demo:", err)
+				os.Exit(1)
+			}
+			*p = int32(n) //nolint:gosec // a port number
+		}
+		serverBase = fmt.Sprintf("http://127.0.0.1:%d", serverPort)
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
@@ -103,7 +120,7 @@ type demo struct {
 	pod     *corev1.Pod
 	proxy   string // the sidecar's MCP endpoint
 
-	// On a real cluster (--kubeconfig).
+	// On a real cluster (--cluster).
 	image, serverImage string
 	installed          bool // idemcp was not there before: uninstall it at the end
 	createdNS          bool
@@ -237,6 +254,7 @@ func (d *demo) manager(ctx context.Context) error {
 		"--metrics-bind-address=0", "--health-probe-bind-address=0",
 		"--webhook-cert-management=", "--webhook-cert-dir=" + wh.LocalServingCertDir, fmt.Sprintf("--webhook-port=%d", wh.LocalServingPort),
 		"--sidecar-image=ghcr.io/idemcp/idemcp:demo",
+		fmt.Sprintf("--sidecar-port=%d", sidecarPort), fmt.Sprintf("--sidecar-admin-port=%d", sidecarAdminPort),
 	}, nil)
 	if err != nil {
 		return err
