@@ -182,10 +182,19 @@ func (o *Options) Validate() error {
 }
 
 func (o *Options) restConfig() (*rest.Config, error) {
-	if o.Kubeconfig != "" {
-		return clientcmd.BuildConfigFromFlags("", o.Kubeconfig)
+	if o.Kubeconfig == "" {
+		return ctrl.GetConfig()
 	}
-	return ctrl.GetConfig()
+	cfg, err := clientcmd.BuildConfigFromFlags("", o.Kubeconfig)
+	if err != nil {
+		return nil, err
+	}
+	// The rate ctrl.GetConfig gives the in-cluster config, not client-go's
+	// 5 requests/s, which would throttle TokenReviews when sidecars connect.
+	if cfg.QPS == 0 {
+		cfg.QPS, cfg.Burst = 20, 30
+	}
+	return cfg, nil
 }
 
 // sidecarResourceFlags registers the defaults of the injected sidecar's
