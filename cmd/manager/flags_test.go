@@ -3,6 +3,8 @@ package manager
 import (
 	"flag"
 	"io"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 )
@@ -35,5 +37,23 @@ func TestSidecarResourceFlags(t *testing.T) {
 		if _, err := parse(bad); err == nil || !strings.Contains(err.Error(), "is not a quantity more than 0") {
 			t.Errorf("%s: %v, want a refusal", bad, err)
 		}
+	}
+}
+
+// TestKubeconfigClientRate: with --kubeconfig the manager's client gets
+// the rate it has in a pod (20/s, burst 30), so TokenReviews of
+// connecting sidecars are not throttled at client-go's 5/s.
+func TestKubeconfigClientRate(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "kubeconfig")
+	kc := "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster: {server: https://127.0.0.1:6443}\ncontexts:\n- name: c\n  context: {cluster: c, user: u}\ncurrent-context: c\nusers:\n- name: u\n  user: {token: t}\n"
+	if err := os.WriteFile(path, []byte(kc), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := (&Options{Kubeconfig: path}).restConfig()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.QPS != 20 || cfg.Burst != 30 {
+		t.Errorf("QPS %v burst %d, want 20 and 30", cfg.QPS, cfg.Burst)
 	}
 }
