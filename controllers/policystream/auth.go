@@ -51,6 +51,7 @@ func forbidden(format string, a ...any) error {
 // caller is a sidecar whose token the API server vouched for.
 type caller struct {
 	pod     string
+	uid     string
 	expires time.Time
 }
 
@@ -110,7 +111,7 @@ func (s *Server) authorize(ctx context.Context, r *http.Request, namespace, name
 	if got := pod.Labels[v1alpha1.LabelPolicy]; got != name {
 		return nil, forbidden("pod %s is labelled %s=%q, not %q", key, v1alpha1.LabelPolicy, got, name)
 	}
-	return &caller{pod: pod.Name, expires: tokenExpiry(token)}, nil
+	return &caller{pod: pod.Name, uid: string(pod.UID), expires: tokenExpiry(token)}, nil
 }
 
 // serviceAccount splits system:serviceaccount:NAMESPACE:NAME.

@@ -155,6 +155,7 @@ func (st *policyState) encoded(ca string, nonces *atomic.Uint64) (*encodedSnapsh
 // stream is one connected sidecar; its fields are guarded by Server.mu.
 type stream struct {
 	pod    string
+	uid    string
 	notify chan struct{}
 	cancel context.CancelFunc
 
@@ -294,9 +295,9 @@ func (s *Server) watch(ctx context.Context) error {
 		return fmt.Errorf("policy stream: watching pods: %w", err)
 	}
 	if _, err := podi.AddEventHandler(toolscache.ResourceEventHandlerFuncs{
-		AddFunc:    func(o any) { s.podChanged(o) },
-		UpdateFunc: func(_, o any) { s.podChanged(o) },
-		DeleteFunc: func(o any) { s.podChanged(o) },
+		AddFunc:    func(o any) { s.podChanged(o, false) },
+		UpdateFunc: func(_, o any) { s.podChanged(o, false) },
+		DeleteFunc: func(o any) { s.podChanged(o, true) },
 	}); err != nil {
 		return err
 	}
@@ -404,7 +405,7 @@ func (s *Server) forgetPolicy(o any) {
 	st.snap, st.generation, st.written = nil, 0, ""
 }
 
-func (s *Server) podChanged(o any) {
+func (s *Server) podChanged(o any, gone bool) {
 	if d, ok := o.(toolscache.DeletedFinalStateUnknown); ok {
 		o = d.Obj
 	}
@@ -413,12 +414,24 @@ func (s *Server) podChanged(o any) {
 		return
 	}
 	name := pod.Labels[v1alpha1.LabelPolicy]
-	if name == "" {
-		return
-	}
+	gone = gone || pod.DeletionTimestamp != nil
 	s.mu.Lock()
-	s.state(types.NamespacedName{Namespace: pod.Namespace, Name: name}).dirty = true
-	s.mu.Unlock()
+	defer s.mu.Unlock()
+	// A stream lasts only as long as authorize would admit it: its pod
+	// deleted, replaced or labelled for another policy, it ends.
+	for key, st := range s.policies {
+		if key.Namespace != pod.Namespace {
+			continue
+		}
+		for c := range st.streams {
+			if c.pod == pod.Name && (gone || c.uid != string(pod.UID) || key.Name != name) {
+				c.cancel()
+			}
+		}
+	}
+	if name != "" {
+		s.state(types.NamespacedName{Namespace: pod.Namespace, Name: name}).dirty = true
+	}
 }
 
 // refresh reads the policy from the API server, not the cache, before a
@@ -499,7 +512,7 @@ func (s *Server) serveStream(w http.ResponseWriter, r *http.Request) {
 		sctx, stop = context.WithDeadline(sctx, who.expires)
 		defer stop()
 	}
-	c := &stream{pod: who.pod, notify: make(chan struct{}, 1), cancel: cancel}
+	c := &stream{pod: who.pod, uid: who.uid, notify: make(chan struct{}, 1), cancel: cancel}
 	poke(c.notify)
 	s.mu.Lock()
 	st := s.state(key)
