@@ -88,7 +88,7 @@ func TestBadEnvironmentNamesTheVariable(t *testing.T) {
 	}
 	// The command line wins over the environment, and a good variable is used.
 	_, stderr, _ := idemcp(t, []string{"IDEMCP_SHUTDOWN_TIMEOUT=5", "IDEMCP_UPSTREAM=ftp://x"}, "sidecar", "--shutdown-timeout=1s")
-	if !strings.Contains(stderr, `--upstream: "ftp://x" is not an http:// or https:// URL`) {
+	if !strings.Contains(stderr, `IDEMCP_UPSTREAM (--upstream): "ftp://x" is not an http:// or https:// URL`) {
 		t.Errorf("stderr %q; want IDEMCP_UPSTREAM read and the bad IDEMCP_SHUTDOWN_TIMEOUT overridden by the flag", stderr)
 	}
 }
