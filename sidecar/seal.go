@@ -27,7 +27,7 @@ func (o *StoreOptions) sealFlags(fs *flag.FlagSet) {
 func NewSealMetrics(reg prometheus.Registerer) *prometheus.CounterVec {
 	c := prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "idemcp_sealed_open_failures_total",
-		Help: "Stored results that failed to open (malformed, unknown_key, forged) and were treated as absent: the call ran as new, once.",
+		Help: "Stored results that failed to open (malformed, unknown_key, forged, expired) and were treated as absent: the call ran as new, once.",
 	}, []string{"reason"})
 	for _, r := range []string{store.OpenMalformed, store.OpenUnknownKey, store.OpenForged} {
 		c.WithLabelValues(r)

@@ -208,7 +208,7 @@ func TestSealedSharedStores(t *testing.T) {
 				if err != nil || r.State != store.Completed {
 					t.Fatal(r.State, err)
 				}
-				if _, reason, ok := mustRing(t, old).Open(contextOf(o), q.Key, r.Response); ok || reason != store.OpenUnknownKey {
+				if _, reason, ok := mustRing(t, old).Open(contextOf(o), q.Key, r.Response, time.Now()); ok || reason != store.OpenUnknownKey {
 					t.Fatalf("a result written after rotation opens with the old key (%v %s); want the new key used", ok, reason)
 				}
 				for _, reason := range []string{store.OpenMalformed, store.OpenUnknownKey, store.OpenForged} {

@@ -17,16 +17,19 @@ import (
 
 // A sealed record is
 //
-//	version (1 byte, sealVersion) | key id (4 bytes) | nonce (12 bytes) | AES-256-GCM ciphertext and tag
+//	version (1 byte, sealVersion) | key id (4 bytes) | expiry (8 bytes, Unix ms) | nonce (12 bytes) | AES-256-GCM ciphertext and tag
 //
-// and its associated data is the version and key id, the store's context
-// (its key prefix) and the record's key: a record copied under another key,
-// or into another policy's key space, does not open.
+// and its associated data is the version, key id and expiry, the store's
+// context (its key prefix) and the record's key: a record copied under
+// another key, or into another policy's key space, does not open, and
+// neither does one restored after its expiry (SealExpiryGrace).
 const (
 	sealVersion  = 1
 	sealKeyIDLen = 4
+	sealExpiry   = 8
 	sealNonceLen = 12
-	sealHeader   = 1 + sealKeyIDLen + sealNonceLen
+	sealAD       = 1 + sealKeyIDLen + sealExpiry
+	sealHeader   = sealAD + sealNonceLen
 	// SealKeyBytes is the length of a seal key (AES-256).
 	SealKeyBytes = 32
 	// SealOverhead is what sealing adds to each stored response.
@@ -38,7 +41,14 @@ const (
 	OpenMalformed  = "malformed"   // too short, or not a sealed record of a known version
 	OpenUnknownKey = "unknown_key" // sealed under a key this keyring does not hold
 	OpenForged     = "forged"      // the tag does not verify: altered, planted, or copied from another key
+	OpenExpired    = "expired"     // genuine, but past its expiry: copied out and restored after its TTL
 )
+
+// SealExpiryGrace is how long past its sealed expiry a record still opens:
+// the clocks of the sidecars that write and read a store may differ by
+// this much. A reader whose clock runs further ahead treats results as
+// expired early and runs their calls again, so keep node clocks in sync.
+const SealExpiryGrace = 2 * time.Minute
 
 type sealKey struct {
 	id   [sealKeyIDLen]byte
@@ -135,27 +145,30 @@ func (k *Keyring) IDs() []string {
 }
 
 func associatedData(header []byte, context, key string) []byte {
-	ad := make([]byte, 0, 1+sealKeyIDLen+binary.MaxVarintLen64+len(context)+len(key))
-	ad = append(ad, header[:1+sealKeyIDLen]...)
+	ad := make([]byte, 0, sealAD+binary.MaxVarintLen64+len(context)+len(key))
+	ad = append(ad, header[:sealAD]...)
 	ad = binary.AppendUvarint(ad, uint64(len(context)))
 	ad = append(ad, context...)
 	return append(ad, key...)
 }
 
-// Seal encrypts plaintext for the record at key with the current key.
-func (k *Keyring) Seal(context, key string, plaintext []byte) []byte {
+// Seal encrypts plaintext for the record at key with the current key,
+// binding the time it expires.
+func (k *Keyring) Seal(context, key string, expires time.Time, plaintext []byte) []byte {
 	cur := k.keys[0]
 	out := make([]byte, sealHeader, sealHeader+len(plaintext)+cur.aead.Overhead())
 	out[0] = sealVersion
 	copy(out[1:], cur.id[:])
-	nonce := out[1+sealKeyIDLen : sealHeader]
+	binary.BigEndian.PutUint64(out[1+sealKeyIDLen:sealAD], uint64(max(expires.UnixMilli(), 0)))
+	nonce := out[sealAD:sealHeader]
 	_, _ = rand.Read(nonce) // crypto/rand.Read never fails (Go 1.24)
 	return cur.aead.Seal(out, nonce, plaintext, associatedData(out, context, key))
 }
 
-// Open decrypts a record sealed for key, with whichever key sealed it. The
-// reason is one of the Open* constants when it fails.
-func (k *Keyring) Open(context, key string, record []byte) (plaintext []byte, reason string, ok bool) {
+// Open decrypts a record sealed for key, with whichever key sealed it, if
+// it had not expired at now. The reason is one of the Open* constants when
+// it fails.
+func (k *Keyring) Open(context, key string, record []byte, now time.Time) (plaintext []byte, reason string, ok bool) {
 	if len(record) < SealOverhead || record[0] != sealVersion {
 		return nil, OpenMalformed, false
 	}
@@ -165,8 +178,12 @@ func (k *Keyring) Open(context, key string, record []byte) (plaintext []byte, re
 		if string(sk.id[:]) != string(id) {
 			continue
 		}
-		out, err := sk.aead.Open(nil, record[1+sealKeyIDLen:sealHeader], record[sealHeader:], associatedData(record, context, key))
+		out, err := sk.aead.Open(nil, record[sealAD:sealHeader], record[sealHeader:], associatedData(record, context, key))
 		if err == nil {
+			expires := int64(binary.BigEndian.Uint64(record[1+sealKeyIDLen : sealAD])) //nolint:gosec // written from a non-negative int64
+			if now.UnixMilli() > expires {
+				return nil, OpenExpired, false
+			}
 			if out == nil {
 				out = []byte{}
 			}
@@ -188,6 +205,9 @@ type SealOptions struct {
 	// count and log it); the call then runs as if there were none. It is
 	// never given key material or the record.
 	OnOpenFailure func(key, reason string)
+	// ExpiryGrace is how long past its expiry a record still opens
+	// (default SealExpiryGrace).
+	ExpiryGrace time.Duration
 }
 
 // sealAttempts bounds how often Reserve replaces results that fail to open
@@ -206,6 +226,7 @@ type Sealed struct {
 	ring   *Keyring
 	ctx    string
 	onFail func(key, reason string)
+	grace  time.Duration
 }
 
 var _ Store = (*Sealed)(nil)
@@ -216,7 +237,11 @@ func Seal(inner Store, o SealOptions) *Sealed {
 	if onFail == nil {
 		onFail = func(string, string) {}
 	}
-	return &Sealed{Store: inner, ring: o.Keyring, ctx: o.Context, onFail: onFail}
+	grace := o.ExpiryGrace
+	if grace <= 0 {
+		grace = SealExpiryGrace
+	}
+	return &Sealed{Store: inner, ring: o.Keyring, ctx: o.Context, onFail: onFail, grace: grace}
 }
 
 // Reserve implements Store: a completed record is opened, and one that
@@ -227,7 +252,7 @@ func (s *Sealed) Reserve(ctx context.Context, c Claim) (Reservation, error) {
 		if err != nil || r.State != Completed {
 			return r, err
 		}
-		plain, reason, ok := s.ring.Open(s.ctx, c.Key, r.Response)
+		plain, reason, ok := s.ring.Open(s.ctx, c.Key, r.Response, time.Now().Add(-s.grace))
 		if ok {
 			r.Response = plain
 			return r, nil
@@ -244,7 +269,7 @@ func (s *Sealed) Reserve(ctx context.Context, c Claim) (Reservation, error) {
 
 // Complete implements Store.
 func (s *Sealed) Complete(ctx context.Context, key, owner string, response []byte, ttl time.Duration) error {
-	return s.Store.Complete(ctx, key, owner, s.ring.Seal(s.ctx, key, response), ttl)
+	return s.Store.Complete(ctx, key, owner, s.ring.Seal(s.ctx, key, time.Now().Add(ttl), response), ttl)
 }
 
 // Unwrap returns the store underneath.

@@ -104,27 +104,27 @@ func TestSealedStoreHidesAndBindsResults(t *testing.T) {
 
 func TestSealContextBinds(t *testing.T) {
 	k := ring(t, newKey(t))
-	rec := k.Seal("idemcp:shop/payments:", "key", []byte("result"))
-	if _, _, ok := k.Open("idemcp:shop/payments:", "key", rec); !ok {
+	rec := k.Seal("idemcp:shop/payments:", "key", time.Now().Add(time.Hour), []byte("result"))
+	if _, _, ok := k.Open("idemcp:shop/payments:", "key", rec, time.Now()); !ok {
 		t.Fatal("a record does not open where it was sealed")
 	}
 	for _, tc := range []struct{ ctx, key string }{{"idemcp:shop/other:", "key"}, {"idemcp:shop/payments:", "kez"}, {"idemcp:shop/payments:k", "ey"}} {
-		if _, reason, ok := k.Open(tc.ctx, tc.key, rec); ok || reason != store.OpenForged {
+		if _, reason, ok := k.Open(tc.ctx, tc.key, rec, time.Now()); ok || reason != store.OpenForged {
 			t.Errorf("Open(%q, %q) = %v, %s; want forged", tc.ctx, tc.key, ok, reason)
 		}
 	}
 	flipped := bytes.Clone(rec)
 	flipped[len(flipped)-1] ^= 1
-	if _, reason, ok := k.Open("idemcp:shop/payments:", "key", flipped); ok || reason != store.OpenForged {
+	if _, reason, ok := k.Open("idemcp:shop/payments:", "key", flipped, time.Now()); ok || reason != store.OpenForged {
 		t.Errorf("an altered record opened (%v, %s)", ok, reason)
 	}
-	if _, reason, ok := k.Open("idemcp:shop/payments:", "key", []byte(`{"jsonrpc":"2.0","result":{}}`)); ok || reason != store.OpenMalformed {
+	if _, reason, ok := k.Open("idemcp:shop/payments:", "key", []byte(`{"jsonrpc":"2.0","result":{}}`), time.Now()); ok || reason != store.OpenMalformed {
 		t.Errorf("an unsealed record = %v, %s; want malformed", ok, reason)
 	}
-	if _, reason, ok := ring(t, newKey(t)).Open("idemcp:shop/payments:", "key", rec); ok || reason != store.OpenUnknownKey {
+	if _, reason, ok := ring(t, newKey(t)).Open("idemcp:shop/payments:", "key", rec, time.Now()); ok || reason != store.OpenUnknownKey {
 		t.Errorf("a record of another key = %v, %s; want unknown_key", ok, reason)
 	}
-	if a, b := k.Seal("c", "key", []byte("x")), k.Seal("c", "key", []byte("x")); bytes.Equal(a, b) {
+	if a, b := k.Seal("c", "key", time.Now().Add(time.Hour), []byte("x")), k.Seal("c", "key", time.Now().Add(time.Hour), []byte("x")); bytes.Equal(a, b) {
 		t.Error("two seals of the same result are equal: the nonce is not fresh")
 	}
 }
@@ -175,7 +175,7 @@ func TestKeyringRotation(t *testing.T) {
 	}
 	complete(t, after, "new", []byte("sealed after"))
 	raw := reserveKey(t, mem, "new")
-	if _, reason, ok := ring(t, oldKey).Open("c", "new", raw.Response); ok || reason != store.OpenUnknownKey {
+	if _, reason, ok := ring(t, oldKey).Open("c", "new", raw.Response, time.Now()); ok || reason != store.OpenUnknownKey {
 		t.Fatalf("a result written after rotation opens with the previous key alone (%v, %s); want it sealed with the new key", ok, reason)
 	}
 	if len(f.get()) != 0 {
@@ -217,17 +217,46 @@ func BenchmarkSeal(b *testing.B) {
 	k := ring(b, newKey(b))
 	b.ReportAllocs()
 	for b.Loop() {
-		_ = k.Seal("idemcp:shop/payments:", "3f9a1c0d5e7b2a4f", []byte(benchResponse))
+		_ = k.Seal("idemcp:shop/payments:", "3f9a1c0d5e7b2a4f", time.Now().Add(time.Hour), []byte(benchResponse))
 	}
 }
 
 func BenchmarkOpen(b *testing.B) {
 	k := ring(b, newKey(b))
-	rec := k.Seal("idemcp:shop/payments:", "3f9a1c0d5e7b2a4f", []byte(benchResponse))
+	rec := k.Seal("idemcp:shop/payments:", "3f9a1c0d5e7b2a4f", time.Now().Add(time.Hour), []byte(benchResponse))
 	b.ReportAllocs()
 	for b.Loop() {
-		if _, _, ok := k.Open("idemcp:shop/payments:", "3f9a1c0d5e7b2a4f", rec); !ok {
+		if _, _, ok := k.Open("idemcp:shop/payments:", "3f9a1c0d5e7b2a4f", rec, time.Now()); !ok {
 			b.Fatal("does not open")
 		}
+	}
+}
+
+// TestSealBindsTheExpiry: a record opens until its sealed expiry, never
+// after (a copy restored after its TTL does not replay), and altering the
+// expiry breaks the seal.
+func TestSealBindsTheExpiry(t *testing.T) {
+	k := ring(t, newKey(t))
+	expires := time.Date(2026, 12, 1, 12, 0, 0, 0, time.UTC)
+	rec := k.Seal("c", "key", expires, []byte("result"))
+	for _, tc := range []struct {
+		now    time.Time
+		ok     bool
+		reason string
+	}{
+		{expires.Add(-time.Hour), true, ""},
+		{expires, true, ""},
+		{expires.Add(time.Millisecond), false, store.OpenExpired},
+		{expires.Add(24 * time.Hour), false, store.OpenExpired},
+	} {
+		if _, reason, ok := k.Open("c", "key", rec, tc.now); ok != tc.ok || reason != tc.reason {
+			t.Errorf("at expiry%+v: Open = %v, %q; want %v, %q", tc.now.Sub(expires), ok, reason, tc.ok, tc.reason)
+		}
+	}
+	// Pushing the expiry out breaks the tag.
+	later := bytes.Clone(rec)
+	later[5]++ // the expiry's most significant byte
+	if _, reason, ok := k.Open("c", "key", later, expires.Add(time.Hour)); ok || reason != store.OpenForged {
+		t.Errorf("a record with its expiry pushed out = %v, %s; want forged", ok, reason)
 	}
 }

@@ -9,6 +9,7 @@ import (
 	"os/exec"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/idemcp/idemcp/sidecar/canonical"
 	"github.com/idemcp/idemcp/sidecar/engine"
@@ -58,8 +59,10 @@ func goBenchSection(w *bytes.Buffer) {
 		{"RFC 8785 canonical form of the arguments (`canonical.Transform`)", func() { _, _ = canonical.Transform([]byte(typicalArgs)) }},
 		{fmt.Sprintf("sha256 of the canonical arguments (%d bytes)", len(canon)), func() { _ = sha256.Sum256(canon) }},
 		{"fingerprint: canonical form + sha256 (`engine.Fingerprint`)", func() { _, _ = engine.Fingerprint("charge_card", json.RawMessage(typicalArgs), nil) }},
-		{fmt.Sprintf("seal a %d-byte result (`store.Keyring.Seal`, AES-256-GCM)", len(typicalResponse)), func() { _ = benchRing.Seal("idemcp:shop/payments:", benchKey, []byte(typicalResponse)) }},
-		{fmt.Sprintf("open it (`store.Keyring.Open`), %d bytes stored", len(benchSealed)), func() { _, _, _ = benchRing.Open("idemcp:shop/payments:", benchKey, benchSealed) }},
+		{fmt.Sprintf("seal a %d-byte result (`store.Keyring.Seal`, AES-256-GCM)", len(typicalResponse)), func() {
+			_ = benchRing.Seal("idemcp:shop/payments:", benchKey, time.Now().Add(time.Hour), []byte(typicalResponse))
+		}},
+		{fmt.Sprintf("open it (`store.Keyring.Open`), %d bytes stored", len(benchSealed)), func() { _, _, _ = benchRing.Open("idemcp:shop/payments:", benchKey, benchSealed, time.Now()) }},
 	}
 	for _, s := range steps {
 		r := testing.Benchmark(func(b *testing.B) {
@@ -79,7 +82,7 @@ const benchKey = "3f9a1c0d5e7b2a4f6c8e0a1b3d5f7a9c1e3b5d7f9a1c3e5b7d9f1a3c5e7b9d
 
 var (
 	benchRing, _ = store.NewKeyring(make([]byte, store.SealKeyBytes))
-	benchSealed  = benchRing.Seal("idemcp:shop/payments:", benchKey, []byte(typicalResponse))
+	benchSealed  = benchRing.Seal("idemcp:shop/payments:", benchKey, time.Now().Add(time.Hour), []byte(typicalResponse))
 )
 
 type benchRow struct{ name, nsOp, bOp, allocsOp string }

@@ -28,7 +28,7 @@ func TestSealedRecordRestoredAfterExpiryDoesNotReplay(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	s := store.Seal(newStore(t, redisstore.Options{Addrs: []string{srv.Addr}}), store.SealOptions{Keyring: ring, Context: prefix(t)})
+	s := store.Seal(newStore(t, redisstore.Options{Addrs: []string{srv.Addr}}), store.SealOptions{Keyring: ring, Context: prefix(t), ExpiryGrace: time.Millisecond})
 	rc := redis.NewClient(&redis.Options{Addr: srv.Addr})
 	t.Cleanup(func() { _ = rc.Close() })
 	ctx := context.Background()
