@@ -137,7 +137,12 @@ type procEnv struct {
 	rows                          []*procRow
 	p999                          map[*procRow]map[string][]float64
 	nginxNote                     string
-	pingP50                       time.Duration
+	// pingHot and pingGapped: PING p50 back to back and with pingGap
+	// between pings, per round.
+	pingHot, pingGapped []float64
+	// redisPerCall: commands clients sent Redis per executed and per
+	// replayed call of the Redis sidecar.
+	redisPerCall [2]float64
 	startup                       []time.Duration
 	// The same sidecar run from the full idemcp binary (manager linked
 	// in), for the data-plane binary question.
@@ -292,21 +297,94 @@ func (e *procEnv) startRedis() error {
 	return nil
 }
 
-// measurePing is the median PING round trip, one client, the yardstick of
-// the Redis store's goal.
-func (e *procEnv) measurePing(n int) {
+// measurePing gives the median PING round trip, one client, the
+// yardstick of the Redis store's goal, two ways: back to back (the figure
+// a tight loop reports, with redis-server and the client always running)
+// and with gap between pings, as a sidecar's calls reach Redis: between two
+// calls both sides sleep, and each round trip then pays two wake-ups. On
+// this kind of machine the second is 3-5 times the first, so dividing a
+// sidecar's added latency by the first overstates the round trips.
+func (e *procEnv) measurePing(n int, gap time.Duration) time.Duration {
 	rc := redis.NewClient(&redis.Options{Addr: e.redisProc.addr})
 	defer func() { _ = rc.Close() }()
 	ctx := context.Background()
 	var lat []time.Duration
 	for range n {
+		if gap > 0 {
+			time.Sleep(gap)
+		}
 		t0 := time.Now()
 		if rc.Ping(ctx).Err() == nil {
 			lat = append(lat, time.Since(t0))
 		}
 	}
 	slices.Sort(lat)
-	e.pingP50 = percentile(lat, 0.5)
+	return percentile(lat, 0.5)
+}
+
+// pingGap is the pause between the PINGs of the yardstick: about the time
+// between two calls of a 1-client row.
+const pingGap = time.Millisecond
+
+// redisCommands counts the commands clients send Redis (MONITOR lines,
+// less those a Lua script runs) while fn runs, and a moment after it, as
+// a sidecar stores an executed call's result after answering it.
+func (e *procEnv) redisCommands(fn func() error) (int, error) {
+	conn, err := net.DialTimeout("tcp", e.redisProc.addr, 5*time.Second)
+	if err != nil {
+		return 0, err
+	}
+	defer func() { _ = conn.Close() }()
+	if _, err := conn.Write([]byte("MONITOR\r\n")); err != nil {
+		return 0, err
+	}
+	r := bufio.NewReader(conn)
+	if line, err := r.ReadString('\n'); err != nil || !strings.HasPrefix(line, "+OK") {
+		return 0, fmt.Errorf("MONITOR: %q %w", line, err)
+	}
+	counted := make(chan int, 1)
+	go func() {
+		n := 0
+		for {
+			line, err := r.ReadString('\n')
+			if err != nil {
+				counted <- n
+				return
+			}
+			// +1796098798.688067 [0 127.0.0.1:51132] "evalsha" ...; a
+			// script's own commands read [0 lua].
+			if _, rest, ok := strings.Cut(line, "["); ok && !strings.HasPrefix(strings.TrimLeft(strings.TrimLeft(rest, "0123456789"), " "), "lua]") {
+				n++
+			}
+		}
+	}()
+	ferr := fn()
+	time.Sleep(300 * time.Millisecond)
+	_ = conn.Close()
+	n := <-counted
+	return n, ferr
+}
+
+// countRedis counts the Redis commands per executed and per replayed call
+// of the Redis sidecar.
+func (e *procEnv) countRedis(execSc, replaySc *scenario, n int) error {
+	t := &target{name: e.sideRedis.name, url: e.sideRedis.url + "/", client: newClient()}
+	for i, sc := range []*scenario{execSc, replaySc} {
+		_, _, _ = t.call(sc) // the replayed call's record exists
+		got, err := e.redisCommands(func() error {
+			for range n {
+				if _, _, err := t.call(sc); err != nil {
+					return err
+				}
+			}
+			return nil
+		})
+		if err != nil {
+			return fmt.Errorf("counting Redis commands: %w", err)
+		}
+		e.redisPerCall[i] = float64(got) / float64(n)
+	}
+	return nil
 }
 
 func procSection(w *bytes.Buffer, c config) error {
@@ -372,7 +450,6 @@ func procSection(w *bytes.Buffer, c config) error {
 			_, _, _ = r.t.call(r.sc)
 		}
 	}
-	e.measurePing(2000)
 
 	modes := []struct {
 		name    string
@@ -380,6 +457,8 @@ func procSection(w *bytes.Buffer, c config) error {
 		n       int
 	}{{"1", 1, c.seqN}, {fmt.Sprint(c.procClients), c.procClients, c.procConcN}}
 	for round := range c.procRounds {
+		e.pingHot = append(e.pingHot, us(e.measurePing(1000, 0)))
+		e.pingGapped = append(e.pingGapped, us(e.measurePing(300, pingGap)))
 		for _, m := range modes {
 			progress(fmt.Sprintf("processes: round %d/%d, %s clients", round+1, c.procRounds, m.name))
 			order := slices.Clone(e.rows)
@@ -410,7 +489,10 @@ func procSection(w *bytes.Buffer, c config) error {
 			}
 		}
 	}
-	progress("processes: duplicate rate, startup, sessions")
+	progress("processes: Redis commands, duplicate rate, startup, sessions")
+	if err := e.countRedis(exec, replay, 50); err != nil {
+		return err
+	}
 	if err := e.duplicates(); err != nil {
 		return err
 	}
