@@ -143,7 +143,7 @@ type procEnv struct {
 	// redisPerCall: commands clients sent Redis per executed and per
 	// replayed call of the Redis sidecar.
 	redisPerCall [2]float64
-	startup                       []time.Duration
+	startup      []time.Duration
 	// The same sidecar run from the full idemcp binary (manager linked
 	// in), for the data-plane binary question.
 	fullStartup                []time.Duration
