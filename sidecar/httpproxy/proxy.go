@@ -826,6 +826,11 @@ func (s *sink) setTail(body io.ReadCloser, rest io.Reader, rb *readTracker) {
 	s.tail = &tailBody{body: body, rest: rest, rb: rb}
 }
 
+// tailBufs holds relayTail's buffers: almost every stream ends right after
+// its response, and a fresh 32 KiB buffer per call was most of the bytes
+// an executed call allocated.
+var tailBufs = sync.Pool{New: func() any { b := make([]byte, 32<<10); return &b }}
+
 // relayTail relays what the server streams after the response, until the
 // stream or the client ends.
 func (s *sink) relayTail() {
@@ -836,7 +841,9 @@ func (s *sink) relayTail() {
 	if t == nil {
 		return
 	}
-	buf := make([]byte, 32<<10)
+	bp := tailBufs.Get().(*[]byte)
+	defer tailBufs.Put(bp)
+	buf := *bp
 	for {
 		n, err := t.rest.Read(buf)
 		if n > 0 {
