@@ -725,7 +725,18 @@ type sink struct {
 	started bool
 	aborted bool      // the server's response broke off: abort the client's
 	tail    *tailBody // the server's stream after the response, to relay
+	// headerFlush sends a header that no body followed within
+	// headerFlushDelay; unflushed says a written header still waits.
+	headerFlush *time.Timer
+	unflushed   bool
 }
+
+// headerFlushDelay is how long a response header waits for the first bytes
+// of its body, so that both leave in one write: a server's header and its
+// response event usually arrive together, and flushing each alone costs a
+// write and a wake-up of the client per call. A body that takes longer
+// (a tool that runs for a while) gets its header sent after the delay.
+const headerFlushDelay = 5 * time.Millisecond
 
 // tailBody is what is left of an upstream stream once the response passed.
 type tailBody struct {
@@ -754,7 +765,17 @@ func (s *sink) header(status int, h http.Header) {
 	}
 	s.w.WriteHeader(status)
 	s.started = true
-	s.flushLocked()
+	s.unflushed = true
+	s.headerFlush = time.AfterFunc(headerFlushDelay, s.flushHeader)
+}
+
+// flushHeader sends a header still waiting for its body.
+func (s *sink) flushHeader() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.unflushed {
+		s.flushLocked()
+	}
 }
 
 func (s *sink) write(b []byte) {
@@ -772,6 +793,11 @@ func (s *sink) write(b []byte) {
 }
 
 func (s *sink) flushLocked() {
+	if s.headerFlush != nil {
+		s.headerFlush.Stop()
+		s.headerFlush = nil
+	}
+	s.unflushed = false
 	if s.gone {
 		return
 	}
@@ -866,6 +892,10 @@ func (s *sink) relayTail() {
 func (s *sink) detach() {
 	s.mu.Lock()
 	s.gone = true
+	if s.headerFlush != nil {
+		s.headerFlush.Stop()
+		s.headerFlush = nil
+	}
 	t := s.tail
 	s.tail = nil
 	s.mu.Unlock()
