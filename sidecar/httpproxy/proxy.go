@@ -391,11 +391,14 @@ func (p *Proxy) forwardDedup(ctx context.Context, in *http.Request, body []byte,
 	if err != nil {
 		return engine.Upstream{}, fmt.Errorf("calling the MCP server: %w", err)
 	}
-	h := resp.Header.Clone()
+	// The response is ours alone: relay its header without a copy, read
+	// what the sidecar needs of it first.
+	h := resp.Header
+	encodings := h.Values("Content-Encoding")
+	mt, _, _ := mime.ParseMediaType(h.Get("Content-Type"))
 	removeHopHeaders(h)
 	up := engine.Upstream{Status: resp.StatusCode}
 	rb := &readTracker{r: resp.Body}
-	mt, _, _ := mime.ParseMediaType(resp.Header.Get("Content-Type"))
 	if resp.StatusCode < 200 || resp.StatusCode > 299 || mt != "text/event-stream" {
 		defer drainAndClose(resp.Body)
 		s.header(resp.StatusCode, h)
@@ -406,9 +409,9 @@ func (p *Proxy) forwardDedup(ctx context.Context, in *http.Request, body []byte,
 			s.abort()
 			return engine.Upstream{}, fmt.Errorf("reading the MCP server's response: %w", err)
 		}
-		if !keep.over && len(keep.buf) > 0 && len(resp.Header.Values("Content-Encoding")) > 0 {
+		if !keep.over && len(keep.buf) > 0 && len(encodings) > 0 {
 			// Relayed as the server sent it; read decoded.
-			keep.buf, keep.over = decodeAll(keep.buf, resp.Header.Values("Content-Encoding"), p.opts.MaxResponseBytes)
+			keep.buf, keep.over = decodeAll(keep.buf, encodings, p.opts.MaxResponseBytes)
 		}
 		switch {
 		case keep.over:
@@ -420,7 +423,7 @@ func (p *Proxy) forwardDedup(ctx context.Context, in *http.Request, body []byte,
 		return up, nil
 	}
 	var c *pendingCall // set once the stream carried an event id
-	events, err := decodeBody(rb, resp.Header.Values("Content-Encoding"))
+	events, err := decodeBody(rb, encodings)
 	if err != nil {
 		// The call ran, but its response cannot be read: relay it, keep
 		// nothing, and do not run it again.
