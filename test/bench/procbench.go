@@ -100,19 +100,18 @@ func startProc(name, bin string, args []string, addr string) (*proc, error) {
 	return p, nil
 }
 
-// waitServing polls until the process answers an HTTP request, and says
-// how long that took from start.
-func waitServing(p *proc, start time.Time, limit time.Duration) (time.Duration, error) {
+// waitServing polls until the process answers an HTTP request.
+func waitServing(p *proc, start time.Time, limit time.Duration) error {
 	c := &http.Client{Transport: &http.Transport{DisableKeepAlives: true, Proxy: nil}, Timeout: time.Second}
 	for time.Since(start) < limit {
 		resp, err := c.Get(p.url + "/")
 		if err == nil {
 			_ = resp.Body.Close()
-			return time.Since(start), nil
+			return nil
 		}
 		time.Sleep(500 * time.Microsecond)
 	}
-	return 0, fmt.Errorf("%s did not serve within %s: %.500s", p.name, limit, p.logs.String())
+	return fmt.Errorf("%s did not serve within %s: %.500s", p.name, limit, p.logs.String())
 }
 
 // procRow is one line of the headline table.
@@ -171,7 +170,7 @@ func (e *procEnv) start(name, bin string, args func(addr string) []string) (*pro
 		return nil, err
 	}
 	e.procs = append(e.procs, p)
-	if _, err := waitServing(p, t0, 60*time.Second); err != nil {
+	if err := waitServing(p, t0, 60*time.Second); err != nil {
 		return nil, err
 	}
 	return p, nil
@@ -260,7 +259,7 @@ http {
 		return err
 	}
 	e.procs = append(e.procs, p)
-	if _, err := waitServing(p, t0, 30*time.Second); err != nil {
+	if err := waitServing(p, t0, 30*time.Second); err != nil {
 		return err
 	}
 	out, _ := exec.Command(bin, "-v").CombinedOutput()
@@ -616,7 +615,7 @@ func waitServed(p *proc, sc *scenario, start time.Time, limit time.Duration) (ti
 		last = err
 		time.Sleep(200 * time.Microsecond)
 	}
-	return 0, fmt.Errorf("%s did not serve within %s: %v: %.500s", p.name, limit, last, p.logs.String())
+	return 0, fmt.Errorf("%s did not serve within %s: %w: %.500s", p.name, limit, last, p.logs.String())
 }
 
 // measureStartup starts a fresh sidecar from bin n times and times process
