@@ -391,11 +391,14 @@ func (p *Proxy) forwardDedup(ctx context.Context, in *http.Request, body []byte,
 	if err != nil {
 		return engine.Upstream{}, fmt.Errorf("calling the MCP server: %w", err)
 	}
-	h := resp.Header.Clone()
+	// The response is ours alone: relay its header without a copy, read
+	// what the sidecar needs of it first.
+	h := resp.Header
+	encodings := h.Values("Content-Encoding")
+	mt, _, _ := mime.ParseMediaType(h.Get("Content-Type"))
 	removeHopHeaders(h)
 	up := engine.Upstream{Status: resp.StatusCode}
 	rb := &readTracker{r: resp.Body}
-	mt, _, _ := mime.ParseMediaType(resp.Header.Get("Content-Type"))
 	if resp.StatusCode < 200 || resp.StatusCode > 299 || mt != "text/event-stream" {
 		defer drainAndClose(resp.Body)
 		s.header(resp.StatusCode, h)
@@ -406,9 +409,9 @@ func (p *Proxy) forwardDedup(ctx context.Context, in *http.Request, body []byte,
 			s.abort()
 			return engine.Upstream{}, fmt.Errorf("reading the MCP server's response: %w", err)
 		}
-		if !keep.over && len(keep.buf) > 0 && len(resp.Header.Values("Content-Encoding")) > 0 {
+		if !keep.over && len(keep.buf) > 0 && len(encodings) > 0 {
 			// Relayed as the server sent it; read decoded.
-			keep.buf, keep.over = decodeAll(keep.buf, resp.Header.Values("Content-Encoding"), p.opts.MaxResponseBytes)
+			keep.buf, keep.over = decodeAll(keep.buf, encodings, p.opts.MaxResponseBytes)
 		}
 		switch {
 		case keep.over:
@@ -420,7 +423,7 @@ func (p *Proxy) forwardDedup(ctx context.Context, in *http.Request, body []byte,
 		return up, nil
 	}
 	var c *pendingCall // set once the stream carried an event id
-	events, err := decodeBody(rb, resp.Header.Values("Content-Encoding"))
+	events, err := decodeBody(rb, encodings)
 	if err != nil {
 		// The call ran, but its response cannot be read: relay it, keep
 		// nothing, and do not run it again.
@@ -725,7 +728,18 @@ type sink struct {
 	started bool
 	aborted bool      // the server's response broke off: abort the client's
 	tail    *tailBody // the server's stream after the response, to relay
+	// headerFlush sends a header that no body followed within
+	// headerFlushDelay; unflushed says a written header still waits.
+	headerFlush *time.Timer
+	unflushed   bool
 }
+
+// headerFlushDelay is how long a response header waits for the first bytes
+// of its body, so that both leave in one write: a server's header and its
+// response event usually arrive together, and flushing each alone costs a
+// write and a wake-up of the client per call. A body that takes longer
+// (a tool that runs for a while) gets its header sent after the delay.
+const headerFlushDelay = 5 * time.Millisecond
 
 // tailBody is what is left of an upstream stream once the response passed.
 type tailBody struct {
@@ -754,7 +768,17 @@ func (s *sink) header(status int, h http.Header) {
 	}
 	s.w.WriteHeader(status)
 	s.started = true
-	s.flushLocked()
+	s.unflushed = true
+	s.headerFlush = time.AfterFunc(headerFlushDelay, s.flushHeader)
+}
+
+// flushHeader sends a header still waiting for its body.
+func (s *sink) flushHeader() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.unflushed {
+		s.flushLocked()
+	}
 }
 
 func (s *sink) write(b []byte) {
@@ -772,6 +796,11 @@ func (s *sink) write(b []byte) {
 }
 
 func (s *sink) flushLocked() {
+	if s.headerFlush != nil {
+		s.headerFlush.Stop()
+		s.headerFlush = nil
+	}
+	s.unflushed = false
 	if s.gone {
 		return
 	}
@@ -826,6 +855,11 @@ func (s *sink) setTail(body io.ReadCloser, rest io.Reader, rb *readTracker) {
 	s.tail = &tailBody{body: body, rest: rest, rb: rb}
 }
 
+// tailBufs holds relayTail's buffers: almost every stream ends right after
+// its response, and a fresh 32 KiB buffer per call was most of the bytes
+// an executed call allocated.
+var tailBufs = sync.Pool{New: func() any { b := make([]byte, 32<<10); return &b }}
+
 // relayTail relays what the server streams after the response, until the
 // stream or the client ends.
 func (s *sink) relayTail() {
@@ -836,7 +870,9 @@ func (s *sink) relayTail() {
 	if t == nil {
 		return
 	}
-	buf := make([]byte, 32<<10)
+	bp := tailBufs.Get().(*[]byte)
+	defer tailBufs.Put(bp)
+	buf := *bp
 	for {
 		n, err := t.rest.Read(buf)
 		if n > 0 {
@@ -859,6 +895,10 @@ func (s *sink) relayTail() {
 func (s *sink) detach() {
 	s.mu.Lock()
 	s.gone = true
+	if s.headerFlush != nil {
+		s.headerFlush.Stop()
+		s.headerFlush = nil
+	}
 	t := s.tail
 	s.tail = nil
 	s.mu.Unlock()

@@ -26,7 +26,7 @@ const chargeCall = `{"jsonrpc":"2.0","id":%d,"method":"tools/call","params":{"na
 
 // dedupProxy puts a proxy with the memory store in front of upstream, under
 // policyYAML (the defaults if empty).
-func dedupProxy(t *testing.T, upstream http.Handler, policyYAML string, o Options) (*httptest.Server, *engine.Engine) {
+func dedupProxy(t testing.TB, upstream http.Handler, policyYAML string, o Options) (*httptest.Server, *engine.Engine) {
 	t.Helper()
 	up := httptest.NewServer(upstream)
 	t.Cleanup(up.Close)

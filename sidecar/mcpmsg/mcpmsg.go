@@ -152,7 +152,7 @@ func Parse(body []byte) (*Message, error) {
 	}
 	switch m.Method {
 	case "tools/call":
-		if m.Call, err = DecodeToolCall(m.Params); err != nil {
+		if m.Call, err = decodeToolCall(m.Params, true); err != nil {
 			return &m, err
 		}
 	case "notifications/cancelled":

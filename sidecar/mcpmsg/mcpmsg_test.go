@@ -88,3 +88,16 @@ func TestSameID(t *testing.T) {
 		t.Error("IDKey disagrees with SameID")
 	}
 }
+
+// BenchmarkParseToolCall: the envelope and params of a typical
+// deduplicated call, as the proxy reads every request.
+func BenchmarkParseToolCall(b *testing.B) {
+	body := []byte(`{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"_meta":{"io.modelcontextprotocol/clientCapabilities":{"roots":{"listChanged":true}},"io.modelcontextprotocol/clientInfo":{"name":"idemcp-bench","version":"1.0.0"},"io.modelcontextprotocol/protocolVersion":"2026-07-28"},"name":"charge_card","arguments":{"amount":10,"card":"4000-1"}}}`)
+	b.ReportAllocs()
+	for b.Loop() {
+		m, err := Parse(body)
+		if err != nil || m.Call == nil || m.Call.Name != "charge_card" {
+			b.Fatal(m, err)
+		}
+	}
+}

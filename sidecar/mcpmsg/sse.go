@@ -45,7 +45,9 @@ type EventReader struct {
 	buf  []byte
 	r, w int
 	err  error // sticky error of src
-	max  int
+	// filled: the last read filled buf, so the stream is not small.
+	filled bool
+	max    int
 
 	started bool // the start of the stream was checked for a BOM
 	afterCR bool // the last line ended in "\r": a "\n" right after it is part of it
@@ -72,9 +74,16 @@ const (
 	maxFieldValue = 4 << 10 // longer event names and ids are cut here
 )
 
+// The read buffer starts small, since most streams carry one response of
+// a few hundred bytes, and doubles after each read that fills it.
+const (
+	minReadBuf = 4 << 10
+	maxReadBuf = 32 << 10
+)
+
 // NewEventReader reads events of at most maxSize bytes from r.
 func NewEventReader(r io.Reader, maxSize int) *EventReader {
-	return &EventReader{src: r, buf: make([]byte, 32<<10), max: maxSize}
+	return &EventReader{src: r, buf: make([]byte, minReadBuf), max: maxSize}
 }
 
 // Next returns the next event. At the end of the stream it returns
@@ -173,9 +182,13 @@ func (er *EventReader) LastEventID() string { return er.lastID }
 func (er *EventReader) fill() {
 	if er.r > 0 && er.r == er.w {
 		er.r, er.w = 0, 0
+		if er.filled && len(er.buf) < maxReadBuf {
+			er.buf = make([]byte, 2*len(er.buf))
+		}
 	}
 	n, err := er.src.Read(er.buf[er.w:])
 	er.w += n
+	er.filled = er.w == len(er.buf)
 	if err != nil {
 		er.err = err
 	} else if n == 0 {

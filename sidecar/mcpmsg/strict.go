@@ -351,10 +351,16 @@ var ExplicitKeyMembers = []string{"idemcp.io/idempotency-key", "idempotency-key"
 // names, no duplicate members in params or params._meta, and a tool name
 // that is an I-JSON string. Its errors are CodeInvalidParams.
 func DecodeToolCall(params json.RawMessage) (*ToolCall, error) {
+	return decodeToolCall(params, false)
+}
+
+// decodeToolCall is DecodeToolCall; valid says params is part of a message
+// json.Valid already accepted (Parse), so it is not scanned again.
+func decodeToolCall(params json.RawMessage, valid bool) (*ToolCall, error) {
 	if len(params) == 0 || string(params) == "null" {
 		return nil, invalidParams("tools/call has no params; it needs params.name")
 	}
-	if !json.Valid(params) {
+	if !valid && !json.Valid(params) {
 		return nil, invalidParams("tools/call params are not valid JSON")
 	}
 	ms, err := objectMembers(params, "tools/call params", "name", "arguments", "_meta")

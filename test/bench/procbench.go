@@ -100,19 +100,18 @@ func startProc(name, bin string, args []string, addr string) (*proc, error) {
 	return p, nil
 }
 
-// waitServing polls until the process answers an HTTP request, and says
-// how long that took from start.
-func waitServing(p *proc, start time.Time, limit time.Duration) (time.Duration, error) {
+// waitServing polls until the process answers an HTTP request.
+func waitServing(p *proc, start time.Time, limit time.Duration) error {
 	c := &http.Client{Transport: &http.Transport{DisableKeepAlives: true, Proxy: nil}, Timeout: time.Second}
 	for time.Since(start) < limit {
 		resp, err := c.Get(p.url + "/")
 		if err == nil {
 			_ = resp.Body.Close()
-			return time.Since(start), nil
+			return nil
 		}
 		time.Sleep(500 * time.Microsecond)
 	}
-	return 0, fmt.Errorf("%s did not serve within %s: %.500s", p.name, limit, p.logs.String())
+	return fmt.Errorf("%s did not serve within %s: %.500s", p.name, limit, p.logs.String())
 }
 
 // procRow is one line of the headline table.
@@ -137,8 +136,13 @@ type procEnv struct {
 	rows                          []*procRow
 	p999                          map[*procRow]map[string][]float64
 	nginxNote                     string
-	pingP50                       time.Duration
-	startup                       []time.Duration
+	// pingHot and pingGapped: PING p50 back to back and with pingGap
+	// between pings, per round.
+	pingHot, pingGapped []float64
+	// redisPerCall: commands clients sent Redis per executed and per
+	// replayed call of the Redis sidecar.
+	redisPerCall [2]float64
+	startup      []time.Duration
 	// The same sidecar run from the full idemcp binary (manager linked
 	// in), for the data-plane binary question.
 	fullStartup                []time.Duration
@@ -166,7 +170,7 @@ func (e *procEnv) start(name, bin string, args func(addr string) []string) (*pro
 		return nil, err
 	}
 	e.procs = append(e.procs, p)
-	if _, err := waitServing(p, t0, 60*time.Second); err != nil {
+	if err := waitServing(p, t0, 60*time.Second); err != nil {
 		return nil, err
 	}
 	return p, nil
@@ -255,7 +259,7 @@ http {
 		return err
 	}
 	e.procs = append(e.procs, p)
-	if _, err := waitServing(p, t0, 30*time.Second); err != nil {
+	if err := waitServing(p, t0, 30*time.Second); err != nil {
 		return err
 	}
 	out, _ := exec.Command(bin, "-v").CombinedOutput()
@@ -292,21 +296,94 @@ func (e *procEnv) startRedis() error {
 	return nil
 }
 
-// measurePing is the median PING round trip, one client, the yardstick of
-// the Redis store's goal.
-func (e *procEnv) measurePing(n int) {
+// measurePing gives the median PING round trip, one client, the
+// yardstick of the Redis store's goal, two ways: back to back (the figure
+// a tight loop reports, with redis-server and the client always running)
+// and with gap between pings, as a sidecar's calls reach Redis: between two
+// calls both sides sleep, and each round trip then pays two wake-ups. On
+// this kind of machine the second is 3-5 times the first, so dividing a
+// sidecar's added latency by the first overstates the round trips.
+func (e *procEnv) measurePing(n int, gap time.Duration) time.Duration {
 	rc := redis.NewClient(&redis.Options{Addr: e.redisProc.addr})
 	defer func() { _ = rc.Close() }()
 	ctx := context.Background()
 	var lat []time.Duration
 	for range n {
+		if gap > 0 {
+			time.Sleep(gap)
+		}
 		t0 := time.Now()
 		if rc.Ping(ctx).Err() == nil {
 			lat = append(lat, time.Since(t0))
 		}
 	}
 	slices.Sort(lat)
-	e.pingP50 = percentile(lat, 0.5)
+	return percentile(lat, 0.5)
+}
+
+// pingGap is the pause between the PINGs of the yardstick: about the time
+// between two calls of a 1-client row.
+const pingGap = time.Millisecond
+
+// redisCommands counts the commands clients send Redis (MONITOR lines,
+// less those a Lua script runs) while fn runs, and a moment after it, as
+// a sidecar stores an executed call's result after answering it.
+func (e *procEnv) redisCommands(fn func() error) (int, error) {
+	conn, err := net.DialTimeout("tcp", e.redisProc.addr, 5*time.Second)
+	if err != nil {
+		return 0, err
+	}
+	defer func() { _ = conn.Close() }()
+	if _, err := conn.Write([]byte("MONITOR\r\n")); err != nil {
+		return 0, err
+	}
+	r := bufio.NewReader(conn)
+	if line, err := r.ReadString('\n'); err != nil || !strings.HasPrefix(line, "+OK") {
+		return 0, fmt.Errorf("MONITOR: %q %w", line, err)
+	}
+	counted := make(chan int, 1)
+	go func() {
+		n := 0
+		for {
+			line, err := r.ReadString('\n')
+			if err != nil {
+				counted <- n
+				return
+			}
+			// +1796098798.688067 [0 127.0.0.1:51132] "evalsha" ...; a
+			// script's own commands read [0 lua].
+			if _, rest, ok := strings.Cut(line, "["); ok && !strings.HasPrefix(strings.TrimLeft(strings.TrimLeft(rest, "0123456789"), " "), "lua]") {
+				n++
+			}
+		}
+	}()
+	ferr := fn()
+	time.Sleep(300 * time.Millisecond)
+	_ = conn.Close()
+	n := <-counted
+	return n, ferr
+}
+
+// countRedis counts the Redis commands per executed and per replayed call
+// of the Redis sidecar.
+func (e *procEnv) countRedis(execSc, replaySc *scenario, n int) error {
+	t := &target{name: e.sideRedis.name, url: e.sideRedis.url + "/", client: newClient()}
+	for i, sc := range []*scenario{execSc, replaySc} {
+		_, _, _ = t.call(sc) // the replayed call's record exists
+		got, err := e.redisCommands(func() error {
+			for range n {
+				if _, _, err := t.call(sc); err != nil {
+					return err
+				}
+			}
+			return nil
+		})
+		if err != nil {
+			return fmt.Errorf("counting Redis commands: %w", err)
+		}
+		e.redisPerCall[i] = float64(got) / float64(n)
+	}
+	return nil
 }
 
 func procSection(w *bytes.Buffer, c config) error {
@@ -372,7 +449,6 @@ func procSection(w *bytes.Buffer, c config) error {
 			_, _, _ = r.t.call(r.sc)
 		}
 	}
-	e.measurePing(2000)
 
 	modes := []struct {
 		name    string
@@ -380,6 +456,8 @@ func procSection(w *bytes.Buffer, c config) error {
 		n       int
 	}{{"1", 1, c.seqN}, {fmt.Sprint(c.procClients), c.procClients, c.procConcN}}
 	for round := range c.procRounds {
+		e.pingHot = append(e.pingHot, us(e.measurePing(1000, 0)))
+		e.pingGapped = append(e.pingGapped, us(e.measurePing(300, pingGap)))
 		for _, m := range modes {
 			progress(fmt.Sprintf("processes: round %d/%d, %s clients", round+1, c.procRounds, m.name))
 			order := slices.Clone(e.rows)
@@ -410,7 +488,10 @@ func procSection(w *bytes.Buffer, c config) error {
 			}
 		}
 	}
-	progress("processes: duplicate rate, startup, sessions")
+	progress("processes: Redis commands, duplicate rate, startup, sessions")
+	if err := e.countRedis(exec, replay, 50); err != nil {
+		return err
+	}
 	if err := e.duplicates(); err != nil {
 		return err
 	}
@@ -517,9 +598,30 @@ func (e *procEnv) duplicates() error {
 	return nil
 }
 
+// waitServed polls with a deduplicated tools/call (new arguments, so it
+// runs upstream) until one is answered with its result, and says how long
+// that took from start: process start to the first served request.
+func waitServed(p *proc, sc *scenario, start time.Time, limit time.Duration) (time.Duration, error) {
+	t := &target{name: p.name, url: p.url + "/", client: &http.Client{Transport: &http.Transport{Proxy: nil}, Timeout: 5 * time.Second}}
+	var last error
+	for time.Since(start) < limit {
+		_, r, err := t.call(sc)
+		if err == nil {
+			return time.Since(start), nil
+		}
+		if r.status != 0 {
+			return 0, fmt.Errorf("%s: first call not served: %w", p.name, err)
+		}
+		last = err
+		time.Sleep(200 * time.Microsecond)
+	}
+	return 0, fmt.Errorf("%s did not serve within %s: %w: %.500s", p.name, limit, last, p.logs.String())
+}
+
 // measureStartup starts a fresh sidecar from bin n times and times process
-// start to its first HTTP answer; it also gives the last one's VmRSS a
-// second after that answer.
+// start to its first served request (a deduplicated tools/call answered
+// with the tool's result); it also gives the last one's VmRSS a second
+// after that answer.
 func (e *procEnv) measureStartup(bin string, n int) (starts []time.Duration, idleKB float64, err error) {
 	for i := range n {
 		addr, err := freeAddr()
@@ -532,7 +634,7 @@ func (e *procEnv) measureStartup(bin string, n int) (starts []time.Duration, idl
 		if err != nil {
 			return nil, 0, err
 		}
-		d, err := waitServing(p, t0, 30*time.Second)
+		d, err := waitServed(p, httpScenarios[2], t0, 30*time.Second)
 		if err == nil && i == n-1 {
 			time.Sleep(time.Second)
 			idleKB = memKB(p.pid(), "VmRSS")

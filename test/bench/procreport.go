@@ -178,11 +178,17 @@ func (e *procEnv) report(w *bytes.Buffer, c config, conc, chart string) {
 		r := perRound(rep, d, mode, statRatio(p50us))
 		goal("a replay is faster than a direct call", "p50, replayed / direct, "+mode+" client(s)", r, r.med < 1)
 	}
-	for _, mode := range []string{"1"} {
-		trips := perRound(exr, ex, mode, func(a, b *procRow, mode string, i int) float64 {
-			return float64(a.st[mode][i].p50-b.st[mode][i].p50) / float64(e.pingP50)
+	goal("Redis store adds ≤ 2 round trips over memory", "Redis commands per executed call, counted with MONITOR (a script's own commands excluded), 50 calls",
+		paired{e.redisPerCall[0], e.redisPerCall[0], e.redisPerCall[0]}, e.redisPerCall[0] <= 2)
+	goal("Redis store adds ≤ 2 round trips over memory", "Redis commands per replayed call, counted the same way",
+		paired{e.redisPerCall[1], e.redisPerCall[1], e.redisPerCall[1]}, e.redisPerCall[1] <= 2)
+	ping := rng(e.pingGapped)
+	for _, pair := range [][2]*procRow{{exr, ex}, {e.row("replay redis"), rep}} {
+		trips := perRound(pair[0], pair[1], "1", func(a, b *procRow, mode string, i int) float64 {
+			return diffP50(a.st[mode][i], b.st[mode][i]) / e.pingGapped[min(i, len(e.pingGapped)-1)]
 		})
-		goal("Redis store adds ≤ 2 round trips over memory", fmt.Sprintf("(p50 executed redis − memory) / PING p50 (%.0f µs), %s client(s)", us(e.pingP50), mode), trips, trips.med <= 2)
+		goal("Redis store adds ≤ 2 round trips over memory (time)", fmt.Sprintf("(p50 %s − %s) / PING p50 with %v between PINGs (%.0f µs; back to back: %.0f µs), 1 client",
+			pair[0].short, pair[1].short, pingGap, ping.med, medf(e.pingHot)), trips, trips.med <= 2)
 	}
 	idle := mib(e.idleRSS)
 	goal("sidecar RSS idle < 20 MiB", fmt.Sprintf("VmRSS %.1f MiB / 20 MiB", idle), paired{idle / 20, idle / 20, idle / 20}, idle < 20)
@@ -193,10 +199,10 @@ func (e *procEnv) report(w *bytes.Buffer, c config, conc, chart string) {
 		su[i] = float64(s) / float64(time.Millisecond)
 	}
 	sr := rng(su)
-	goal("startup < 50 ms", fmt.Sprintf("process start to first HTTP answer, %.1f ms (%.1f-%.1f) / 50 ms, %d starts", sr.med, sr.lo, sr.hi, len(su)),
+	goal("startup < 50 ms", fmt.Sprintf("process start to first served tools/call, %.1f ms (%.1f-%.1f) / 50 ms, %d starts", sr.med, sr.lo, sr.hi, len(su)),
 		paired{sr.med / 50, sr.lo / 50, sr.hi / 50}, sr.med < 50)
 	fmt.Fprintf(w, "\n### Data-plane binary\n\nThe same sidecar started from the two binaries of the image, %d times each (figures: median, range):\n\n", len(e.startup))
-	fmt.Fprintf(w, "| binary | process start to first HTTP answer, ms | idle VmRSS MiB |\n| --- | ---: | ---: |\n")
+	fmt.Fprintf(w, "| binary | process start to first served tools/call, ms | idle VmRSS MiB |\n| --- | ---: | ---: |\n")
 	for _, b := range []struct {
 		name string
 		st   []time.Duration
