@@ -418,13 +418,16 @@ func (s *Server) podChanged(o any, gone bool) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	// A stream lasts only as long as authorize would admit it: its pod
-	// deleted, replaced or labelled for another policy, it ends.
+	// deleted, replaced or labelled for another policy, it ends. A live pod
+	// of its name but another UID replaced its pod; a going one of another
+	// UID is the pod it replaced, whose last events may come late.
 	for key, st := range s.policies {
 		if key.Namespace != pod.Namespace {
 			continue
 		}
 		for c := range st.streams {
-			if c.pod == pod.Name && (gone || c.uid != string(pod.UID) || key.Name != name) {
+			same := c.uid == string(pod.UID)
+			if c.pod == pod.Name && (same && (gone || key.Name != name) || !same && !gone) {
 				c.cancel()
 			}
 		}
