@@ -120,3 +120,23 @@ func TestLaterErrorsNameTheVariable(t *testing.T) {
 		t.Error("Attribute(nil) is not nil")
 	}
 }
+
+// TestAttributeByWholeVariableName: a message that names a longer variable
+// (IDEMCP_POLICY_FILE) still gets the shorter one attributed (--policy from
+// IDEMCP_POLICY), and in any order of the flags.
+func TestAttributeByWholeVariableName(t *testing.T) {
+	t.Setenv("IDEMCP_POLICY", "payments")
+	t.Setenv("IDEMCP_POLICY_FILE", "/etc/p.yaml")
+	s := New("idemcp test", "")
+	s.String("policy", "", "")
+	s.String("policy-file", "", "")
+	s.BindEnv("IDEMCP_")
+	if err := s.Parse(nil); err != nil {
+		t.Fatal(err)
+	}
+	got := s.Attribute(errors.New("IDEMCP_POLICY_FILE (--policy-file): names no policy; --policy-file and --policy disagree")).Error()
+	want := "IDEMCP_POLICY_FILE (--policy-file): names no policy; --policy-file and IDEMCP_POLICY (--policy) disagree"
+	if got != want {
+		t.Fatalf("got  %s\nwant %s", got, want)
+	}
+}
