@@ -93,7 +93,7 @@ func (s *Set) Attribute(err error) error {
 	msg := err.Error()
 	out := msg
 	for name, src := range s.source {
-		if strings.HasPrefix(src, "-") || src == "" || strings.Contains(msg, src) {
+		if strings.HasPrefix(src, "-") || src == "" || namesVariable(msg, src) {
 			continue
 		}
 		out = replaceFlag(out, "--"+name, src+" (--"+name+")")
@@ -102,6 +102,26 @@ func (s *Set) Attribute(err error) error {
 		return err
 	}
 	return &attributed{msg: out, err: err}
+}
+
+// namesVariable says whether msg names the variable env as a whole name,
+// not as the start of a longer one (IDEMCP_POLICY in IDEMCP_POLICY_FILE).
+func namesVariable(msg, env string) bool {
+	for {
+		i := strings.Index(msg, env)
+		if i < 0 {
+			return false
+		}
+		end := i + len(env)
+		if end == len(msg) || !isVariableByte(msg[end]) {
+			return true
+		}
+		msg = msg[end:]
+	}
+}
+
+func isVariableByte(c byte) bool {
+	return c == '_' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9'
 }
 
 // replaceFlag replaces flag in msg where it stands as a whole name.
