@@ -358,7 +358,14 @@ func (p *Proxy) serveDedup(w http.ResponseWriter, r *http.Request, body []byte, 
 		// Executed or forwarded: the response is already relayed; what the
 		// server streams after it follows.
 		s.relayTail()
+	case errors.As(err, &ee) && s.hasStarted():
+		// The response had begun (a forward that panicked after relaying
+		// its header): an error appended to it would be garbage, and the
+		// sink's header timer may still write. Break it off.
+		s.detach()
+		panic(http.ErrAbortHandler)
 	case errors.As(err, &ee):
+		s.detach()
 		writeMessage(w, r, http.StatusOK, mcpmsg.ErrorResponse(msg.ID, ee.Code, ee.Message))
 	case errors.Is(err, engine.ErrDetached), r.Context().Err() != nil:
 		p.log.Debug("Client left while its call runs upstream", "tool", plan.Tool)

@@ -24,7 +24,7 @@ import (
 // another key, or into another policy's key space, does not open, and
 // neither does one restored after its expiry (SealExpiryGrace).
 const (
-	sealVersion  = 1
+	sealVersion  = 2 // 2: the expiry is sealed too
 	sealKeyIDLen = 4
 	sealExpiry   = 8
 	sealNonceLen = 12
