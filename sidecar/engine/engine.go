@@ -595,6 +595,10 @@ func (e *Engine) renew(ctx context.Context, p *Plan, owner string) (stop func())
 				return
 			default:
 				e.metrics.StoreErrors.WithLabelValues("renew").Inc()
+				if backoff == 0 {
+					// Once per run of failures: the retries follow quickly.
+					e.log.Warn("Renewing the claim failed; retrying until the lease runs out", "tool", p.Tool, "key", p.Key, "leaseLeft", time.Until(leaseEnd).Round(time.Millisecond).String(), "err", err)
+				}
 				backoff = min(max(2*backoff, renewRetryMin), renewRetryMax)
 				next := backoff
 				if left := time.Until(leaseEnd); left <= 0 {

@@ -37,6 +37,7 @@ import (
 
 	"github.com/idemcp/idemcp/sidecar/mcpmsg"
 	"github.com/idemcp/idemcp/sidecar/store/redis/redistest"
+	"github.com/idemcp/idemcp/test/history"
 	"github.com/idemcp/idemcp/test/mcpserver"
 	"github.com/idemcp/idemcp/test/procs"
 )
@@ -105,20 +106,6 @@ func seed(t *testing.T) uint64 {
 	return defaultSeed
 }
 
-// completion is one successful answer a client got.
-type completion struct {
-	// from is when the result may have been stored: for an execution, the
-	// start of the attempt that claimed the key (Redis losing its data
-	// after that loses the claim, and with it the result); for a replay,
-	// when it was answered.
-	from     time.Time
-	at       time.Time
-	body     string
-	replayed bool
-	// sidecar answered it.
-	sidecar int
-}
-
 type report struct {
 	seed         uint64
 	duration     time.Duration
@@ -147,7 +134,7 @@ type world struct {
 	sidecars    []*procs.Sidecar
 	mu          sync.Mutex
 	execs       map[string][]time.Time
-	completions map[string][]completion
+	completions map[string][]history.Completion
 	restarts    []time.Time    // when Redis lost its data
 	killed      [][2]time.Time // per sidecar kill window, indexed with killedBy
 	killedBy    []int
@@ -164,10 +151,6 @@ type world struct {
 	// the engine's store-retry backoff.
 	outages     [][2]time.Time
 	onAbandoned string
-	superseded  int
-	// lostWithSidecar: re-runs of a call whose sidecar was killed between
-	// answering it and storing its result (Retry only).
-	lostWithSidecar int
 }
 
 type lockedRand struct {
@@ -208,7 +191,7 @@ func run(t *testing.T, onAbandoned string, duration time.Duration) *report {
 	t.Logf("chaos: seed %d (CHAOS_SEED), duration %v (CHAOS_DURATION), onAbandoned %s", s, duration, onAbandoned)
 	w := &world{
 		t: t, rnd: &lockedRand{r: rand.New(rand.NewPCG(s, 0x1de3c9))},
-		execs: map[string][]time.Time{}, completions: map[string][]completion{},
+		execs: map[string][]time.Time{}, completions: map[string][]history.Completion{},
 		faults: map[string]int{}, codes: map[string]int{}, transport: newClientTransport(),
 		persistent: true, onAbandoned: onAbandoned,
 	}
@@ -287,14 +270,10 @@ func run(t *testing.T, onAbandoned string, duration time.Duration) *report {
 	r.unanswered = int(unanswered.Load())
 	r.ambiguous = int(ambiguous.Load())
 	r.faults, r.codes = w.faults, w.codes
-	for call, ex := range w.execs {
-		r.executions += len(ex)
-		r.duplicates += w.duplicates(call, ex)
-	}
+	v := w.history().Classify()
 	w.mu.Unlock()
-	r.mismatches = w.mismatches()
-	r.superseded = w.superseded
-	r.lostWithSide = w.lostWithSidecar
+	r.executions, r.duplicates, r.mismatches = v.Executions, v.Duplicates, v.Mismatches
+	r.superseded, r.lostWithSide = v.TakenOver, v.LostWithSidecar
 
 	// Resources back to baseline once the traffic is over.
 	upstream.CloseClientConnections()
@@ -447,37 +426,6 @@ func (w *world) injectInfraFaults(ctx context.Context) {
 	}
 }
 
-// duplicates counts executions of call that took effect after one of its
-// completions, with no Redis data loss in between: the result was stored,
-// so it must have been replayed.
-func (w *world) duplicates(call string, ex []time.Time) int {
-	comps := w.completions[call]
-	if len(comps) == 0 {
-		return 0
-	}
-	n := 0
-	for _, at := range ex {
-		for _, c := range comps {
-			if c.at.Before(at) && !w.lostBetween(c.from, at) {
-				if w.diedBeforeStoring(c) {
-					w.t.Logf("lost with its sidecar: %s ran at %s after it completed at %s, its sidecar was killed before storing the result", call, at.Format("15:04:05.000"), c.at.Format("15:04:05.000"))
-					w.lostWithSidecar++
-					break
-				}
-				if w.takenOver(c) {
-					w.t.Logf("superseded: %s ran at %s after it completed at %s, its claim lapsed in a Redis pause", call, at.Format("15:04:05.000"), c.at.Format("15:04:05.000"))
-					w.superseded++
-					break
-				}
-				w.t.Logf("duplicate: %s ran at %s after it completed at %s", call, at.Format("15:04:05.000"), c.at.Format("15:04:05.000"))
-				n++
-				break
-			}
-		}
-	}
-	return n
-}
-
 func cond[T any](c bool, a, b T) T {
 	if c {
 		return a
@@ -485,79 +433,24 @@ func cond[T any](c bool, a, b T) T {
 	return b
 }
 
-// takenOver reports whether, under onAbandoned: Retry, c's claim may have
-// lapsed in a Redis pause longer than the lease before its result was
-// stored (the owner answers its client before the store write succeeds):
-// the documented trade-off of Retry, which Error turns into -32012.
-func (w *world) takenOver(c completion) bool {
-	if w.onAbandoned != "Retry" {
-		return false
+// history is what the run recorded, with the faults it injected, for the
+// classifier the soak shares.
+func (w *world) history() *history.History {
+	h := &history.History{
+		Lease: lease, Retry: w.onAbandoned == "Retry",
+		Executions: w.execs, Completions: w.completions, Losses: w.restarts,
+		Logf: w.t.Logf,
+	}
+	for _, o := range w.outages {
+		h.Outages = append(h.Outages, history.Window{From: o[0], To: o[1], Sidecar: history.All})
 	}
 	for _, p := range w.pauses {
-		if p[0].Before(c.at.Add(lease)) && p[1].After(c.from) {
-			return true
-		}
-	}
-	return false
-}
-
-// diedBeforeStoring reports whether, under onAbandoned: Retry, the sidecar
-// that answered c (an execution, not a replay) was killed before it could
-// have stored the result: a sidecar answers its client first and stores
-// the result just after, so a SIGKILL in between loses the result with
-// the process, the claim lapses, and a retry runs again.
-func (w *world) diedBeforeStoring(c completion) bool {
-	if w.onAbandoned != "Retry" || c.replayed {
-		return false
-	}
-	// The result is stored just after the answer, or, when Redis is away
-	// then, once it is back and the engine's store-retry backoff (50ms,
-	// 200ms, 500ms, 1s, ... plus go-redis's own retries) comes round.
-	storedBy := c.at.Add(lease)
-	for _, o := range w.outages {
-		if o[0].Before(storedBy) && o[1].After(c.from) && o[1].Add(storeRetrySlack).After(storedBy) {
-			storedBy = o[1].Add(storeRetrySlack)
-		}
+		h.Lapses = append(h.Lapses, history.Window{From: p[0], To: p[1], Sidecar: history.All})
 	}
 	for k, win := range w.killed {
-		if w.killedBy[k] == c.sidecar && !win[0].Before(c.at) && win[0].Before(storedBy) {
-			return true
-		}
+		h.Kills = append(h.Kills, history.Window{From: win[0], To: win[1], Sidecar: w.killedBy[k]})
 	}
-	return false
-}
-
-// storeRetrySlack bounds how long after Redis returns a result held by the
-// engine's store retries is written: one retry step of 1s, and go-redis's
-// retries of the attempt before it.
-const storeRetrySlack = 2 * time.Second
-
-// lostBetween reports whether Redis lost its data between a and b.
-func (w *world) lostBetween(a, b time.Time) bool {
-	for _, r := range w.restarts {
-		if r.After(a) && r.Before(b) {
-			return true
-		}
-	}
-	return false
-}
-
-// mismatches counts answers to a completed call that differ from an
-// earlier answer with no Redis data loss in between.
-func (w *world) mismatches() int {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	n := 0
-	for call, comps := range w.completions {
-		for i := 1; i < len(comps); i++ {
-			prev, cur := comps[i-1], comps[i]
-			if cur.body != prev.body && !w.lostBetween(prev.from, cur.at) && !w.takenOver(prev) && !w.diedBeforeStoring(prev) {
-				w.t.Logf("mismatch: %s answered %s, then %s (replayed %v)", call, prev.body, cur.body, cur.replayed)
-				n++
-			}
-		}
-	}
-	return n
+	return h
 }
 
 // verify retries every completed call once, with no faults, as the agent
@@ -669,7 +562,7 @@ func (a *agent) attempt(id string, drop, stall bool) string {
 		b, _ := json.Marshal(res.StructuredContent)
 		replayed, _ := res.Meta["idemcp.io/replayed"].(bool)
 		w.mu.Lock()
-		w.completions[id] = append(w.completions[id], completion{from: cond(replayed, time.Now(), start), at: time.Now(), body: string(b), replayed: replayed, sidecar: i})
+		w.completions[id] = append(w.completions[id], history.Completion{From: cond(replayed, time.Now(), start), At: time.Now(), Body: string(b), Replayed: replayed, Sidecar: i})
 		w.mu.Unlock()
 		w.code("ok")
 		return "ok"

@@ -30,6 +30,7 @@ import (
 	"github.com/modelcontextprotocol/go-sdk/mcp"
 
 	"github.com/idemcp/idemcp/sidecar/store/redis/redistest"
+	"github.com/idemcp/idemcp/test/history"
 	"github.com/idemcp/idemcp/test/mcpserver"
 	"github.com/idemcp/idemcp/test/procs"
 )
@@ -37,6 +38,7 @@ import (
 const (
 	agents   = 16
 	sidecars = 2
+	lease    = 5 * time.Second
 )
 
 func TestMain(m *testing.M) {
@@ -80,11 +82,13 @@ type soak struct {
 	t     *testing.T
 	sc    []*procs.Sidecar
 	mu    sync.Mutex
-	execs map[string]int      // tool/card -> executions
-	seen  map[string][]string // explicit-key call -> answers
-	codes map[string]int
-	kinds map[string]int
-	drops atomic.Int64
+	execs map[string][]time.Time // card -> when each execution was dispatched
+	// completions: the answers each deduplicated call got.
+	completions map[string][]history.Completion
+	passthrough map[string]int // passthrough call -> successful attempts
+	codes       map[string]int
+	kinds       map[string]int
+	drops       atomic.Int64
 }
 
 func (s *soak) code(c string) {
@@ -100,20 +104,20 @@ func TestSoak(t *testing.T) {
 	warmup := max(duration/10, every)
 	t.Logf("soak: %v at %d logical calls/s, %d agents, %d sidecars, resources sampled every %v after a %v warm-up", duration, rate, agents, sidecars, every, warmup)
 
-	s := &soak{t: t, execs: map[string]int{}, seen: map[string][]string{}, codes: map[string]int{}, kinds: map[string]int{}}
+	s := &soak{t: t, execs: map[string][]time.Time{}, completions: map[string][]history.Completion{}, passthrough: map[string]int{}, codes: map[string]int{}, kinds: map[string]int{}}
 	redis := redistest.Start(t, "--appendonly", "yes", "--appendfsync", "everysec", "--maxmemory-policy", "noeviction")
 	srv := mcpserver.New()
 	srv.MCP.AddReceivingMiddleware(s.countExecutions)
 	upstream := httptest.NewServer(srv.Handler(false))
 	defer upstream.Close()
 	policy := filepath.Join(t.TempDir(), "policy.yaml")
-	body := fmt.Sprintf("spec: {keyScope: Principal, ttl: 1h, leaseDuration: 5s, store: {type: Redis, redis: {external: {addresses: [%q]}}}, tools: [{name: refund, mode: Passthrough}]}\n", redis.Addr)
+	body := fmt.Sprintf("spec: {keyScope: Principal, ttl: 1h, leaseDuration: %v, store: {type: Redis, redis: {external: {addresses: [%q]}}}, tools: [{name: refund, mode: Passthrough}]}\n", lease, redis.Addr)
 	if err := os.WriteFile(policy, []byte(body), 0o600); err != nil {
 		t.Fatal(err)
 	}
 	bin := procs.Binary(t)
 	for range sidecars {
-		s.sc = append(s.sc, procs.StartSidecar(t, bin, nil, "--upstream", upstream.URL, "--policy-file", policy, "--redis-key-prefix", "idemcp:soak:"))
+		s.sc = append(s.sc, procs.StartSidecar(t, bin, nil, "--upstream", upstream.URL, "--policy-file", policy, "--redis-key-prefix", "idemcp:soak:", "--log-level", "warn"))
 	}
 
 	start := time.Now()
@@ -174,44 +178,54 @@ func TestSoak(t *testing.T) {
 
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	dups, mismatches, passthroughMissing := 0, 0, 0
-	for call, answers := range s.seen {
-		kind, _, _ := strings.Cut(call, "/")
-		n := s.execs[call]
-		switch kind {
-		case "keyed", "derived":
-			if n > 1 {
-				dups += n - 1
-				t.Logf("duplicate: %s ran %d times", call, n)
-			}
-			for _, a := range answers[1:] {
-				if a != answers[0] {
-					mismatches++
-					t.Logf("mismatch: %s answered %s, then %s", call, answers[0], a)
-					break
-				}
-			}
-		case "passthrough":
-			if n != len(answers) {
+	h := &history.History{Lease: lease, Retry: true, Executions: map[string][]time.Time{}, Completions: s.completions, Logf: t.Logf}
+	passthroughMissing, executions := 0, 0
+	for call, ex := range s.execs {
+		executions += len(ex)
+		if kind, _, _ := strings.Cut(call, "/"); kind == "passthrough" {
+			if len(ex) != s.passthrough[call] {
 				passthroughMissing++
 			}
+			continue
+		}
+		h.Executions[call] = ex
+	}
+	for call, n := range s.passthrough {
+		if _, ran := s.execs[call]; !ran && n > 0 {
+			passthroughMissing++
 		}
 	}
+	// The faults here are not injected: a starved machine makes Redis
+	// answer late, or a sidecar miss its renewals. A sidecar that could
+	// not reach the store logs it; each such line marks a lease before it
+	// in which that sidecar's claims may have lapsed.
+	takeOvers := 0
+	for i, sc := range s.sc {
+		trouble, took := storeTrouble(t, sc.Log())
+		takeOvers += took
+		for _, at := range trouble {
+			w := history.Window{From: at.Add(-lease), To: at, Sidecar: i}
+			h.Lapses = append(h.Lapses, w)
+			h.Outages = append(h.Outages, w)
+		}
+	}
+	v := h.Classify()
 	other := 0
-	for k, v := range s.codes {
-		if k != "ok" && !strings.HasPrefix(k, "client gave up") {
-			other += v
+	for k, n := range s.codes {
+		if code, err := strconv.Atoi(k); k != "ok" && !strings.HasPrefix(k, "client gave up") && (err != nil || code > -32010 || code < -32019) {
+			other += n
 		}
 	}
 	res := &result{
 		duration: elapsed, rate: rate, logical: int(logical.Load()), kinds: maps.Clone(s.kinds), codes: maps.Clone(s.codes),
-		duplicates: dups, mismatches: mismatches, passthroughMissing: passthroughMissing, drops: int(s.drops.Load()),
+		executions: executions, duplicates: v.Duplicates, mismatches: v.Mismatches, takenOver: v.TakenOver, takeOversLogged: takeOvers,
+		passthroughMissing: passthroughMissing, drops: int(s.drops.Load()),
 		samples: samples, warmup: warmup,
 	}
-	for _, ex := range s.execs {
-		res.executions += ex
-	}
 	res.check(t, other)
+	if len(res.failures) != 0 {
+		keepLogs(t, s.sc)
+	}
 	t.Log("\n" + res.String())
 	res.write(t)
 }
@@ -220,6 +234,7 @@ type result struct {
 	duration                                   time.Duration
 	rate, logical, executions                  int
 	duplicates, mismatches, passthroughMissing int
+	takenOver, takeOversLogged                 int
 	drops                                      int
 	kinds, codes                               map[string]int
 	samples                                    [][]sample
@@ -247,7 +262,7 @@ func (r *result) check(t *testing.T, otherErrors int) {
 		fail("%d passthrough calls did not run once per attempt", r.passthroughMissing)
 	}
 	if otherErrors != 0 {
-		fail("%d attempts failed without an injected cause", otherErrors)
+		fail("%d attempts got neither a result, a clear idemcp error nor an injected drop", otherErrors)
 	}
 	for i, ss := range r.samples {
 		var early, late sample
@@ -299,6 +314,8 @@ func (r *result) String() string {
 	row("executions", r.executions)
 	row("duplicates (must be 0)", r.duplicates)
 	row("retries answered differently (must be 0)", r.mismatches)
+	row("re-run after the owner's claim lapsed while it could not reach Redis (onAbandoned: Retry)", r.takenOver)
+	row("take-overs the sidecars logged", r.takeOversLogged)
 	row("passthrough calls not run once per attempt (must be 0)", r.passthroughMissing)
 	row("client drops mid-call (injected)", r.drops)
 	for _, k := range slices.Sorted(maps.Keys(r.codes)) {
@@ -331,6 +348,7 @@ func (r *result) write(t *testing.T) {
 // countExecutions counts the calls that took effect, by tool and card.
 func (s *soak) countExecutions(next mcp.MethodHandler) mcp.MethodHandler {
 	return func(ctx context.Context, method string, req mcp.Request) (mcp.Result, error) {
+		dispatched := time.Now()
 		res, err := next(ctx, method, req)
 		ctr, ok := req.(*mcp.CallToolRequest)
 		if method != "tools/call" || !ok || err != nil || ctx.Err() != nil {
@@ -339,7 +357,7 @@ func (s *soak) countExecutions(next mcp.MethodHandler) mcp.MethodHandler {
 		var args mcpserver.ChargeArgs
 		if json.Unmarshal(ctr.Params.Arguments, &args) == nil {
 			s.mu.Lock()
-			s.execs[args.Card]++
+			s.execs[args.Card] = append(s.execs[args.Card], dispatched)
 			s.mu.Unlock()
 		}
 		return res, err
@@ -445,14 +463,25 @@ func (a *agent) attempt(ctx context.Context, call, tool string, args mcpserver.C
 }
 
 func (a *agent) attemptAt(ctx context.Context, i int, call, tool string, args mcpserver.ChargeArgs, meta mcp.Meta, dropped bool) {
+	start := time.Now()
 	cs, err := a.session(ctx, i)
 	if err == nil {
 		var res *mcp.CallToolResult
 		res, err = cs.CallTool(ctx, &mcp.CallToolParams{Name: tool, Arguments: args, Meta: meta})
 		if err == nil && !res.IsError {
 			b, _ := json.Marshal(res.StructuredContent)
+			replayed, _ := res.Meta["idemcp.io/replayed"].(bool)
+			now := time.Now()
 			a.s.mu.Lock()
-			a.s.seen[call] = append(a.s.seen[call], string(b))
+			if strings.HasPrefix(call, "passthrough/") {
+				a.s.passthrough[call]++
+			} else {
+				from := start
+				if replayed {
+					from = now
+				}
+				a.s.completions[call] = append(a.s.completions[call], history.Completion{From: from, At: now, Body: string(b), Replayed: replayed, Sidecar: i})
+			}
 			a.s.codes["ok"]++
 			a.s.mu.Unlock()
 			return
@@ -504,4 +533,58 @@ func (p *principal) RoundTrip(r *http.Request) (*http.Response, error) {
 	r = r.Clone(r.Context())
 	r.Header.Set("Authorization", p.name)
 	return sharedTransport.RoundTrip(r)
+}
+
+// troubleMessages start the log lines of a sidecar that could not reach
+// the store while it owned a claim, or found its claim taken over.
+var troubleMessages = []string{
+	"Renewing the claim failed",
+	"Lost the claim",
+	"Claim was taken over",
+	"Store write",
+	"Store unavailable",
+}
+
+// storeTrouble reads a sidecar's JSON log: when it could not reach the
+// store, and how many claims it took over.
+func storeTrouble(t *testing.T, path string) (trouble []time.Time, tookOver int) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Errorf("reading a sidecar's log: %v", err)
+		return nil, 0
+	}
+	for line := range strings.Lines(string(b)) {
+		var rec struct {
+			Time time.Time `json:"time"`
+			Msg  string    `json:"msg"`
+		}
+		if json.Unmarshal([]byte(line), &rec) != nil {
+			continue
+		}
+		if strings.HasPrefix(rec.Msg, "Took over an abandoned claim") {
+			tookOver++
+		}
+		for _, m := range troubleMessages {
+			if strings.HasPrefix(rec.Msg, m) {
+				trouble = append(trouble, rec.Time)
+				break
+			}
+		}
+	}
+	return trouble, tookOver
+}
+
+// keepLogs copies the sidecars' logs out of the test's temporary directory,
+// which is removed at its end, so that a failed hour can be read.
+func keepLogs(t *testing.T, sc []*procs.Sidecar) {
+	for i, p := range sc {
+		b, err := os.ReadFile(p.Log())
+		if err != nil {
+			continue
+		}
+		path := filepath.Join(os.TempDir(), fmt.Sprintf("idemcp-soak-sidecar-%d.log", i))
+		if err := os.WriteFile(path, b, 0o644); err == nil {
+			t.Logf("sidecar %d's log is kept in %s", i, path)
+		}
+	}
 }

@@ -1,0 +1,107 @@
+package history
+
+import (
+	"testing"
+	"time"
+)
+
+func TestClassify(t *testing.T) {
+	t0 := time.Date(2026, 12, 1, 4, 0, 0, 0, time.UTC)
+	at := func(ms int) time.Time { return t0.Add(time.Duration(ms) * time.Millisecond) }
+	const lease = time.Second
+	// One call: executed through sidecar 0 from 0 to 100ms, then run again
+	// at 3s.
+	answered := []Completion{{From: at(0), At: at(100), Body: "a", Sidecar: 0}}
+	twice := map[string][]time.Time{"c": {at(10), at(3000)}}
+	for _, tc := range []struct {
+		name  string
+		h     History
+		want  Verdict
+		fails bool
+	}{{
+		name: "a second execution after the answer, no fault: a duplicate",
+		h:    History{Retry: true, Executions: twice, Completions: map[string][]Completion{"c": answered}},
+		want: Verdict{Executions: 2, Duplicates: 1}, fails: true,
+	}, {
+		name: "a second execution after a replay, no fault: a duplicate",
+		h: History{Retry: true, Executions: twice, Completions: map[string][]Completion{"c": {
+			{From: at(0), At: at(100), Body: "a", Sidecar: 0}, {From: at(500), At: at(500), Body: "a", Replayed: true, Sidecar: 1},
+		}}},
+		want: Verdict{Executions: 2, Duplicates: 1}, fails: true,
+	}, {
+		name: "two executions racing before any answer: not a duplicate",
+		h: History{Retry: true, Executions: map[string][]time.Time{"c": {at(10), at(50)}},
+			Completions: map[string][]Completion{"c": answered}},
+		want: Verdict{Executions: 2},
+	}, {
+		name: "the owner's sidecar lost the store for a lease just after answering: taken over",
+		h: History{Retry: true, Executions: twice, Completions: map[string][]Completion{"c": answered},
+			Lapses: []Window{{From: at(150), To: at(1500), Sidecar: 0}}},
+		want: Verdict{Executions: 2, TakenOver: 1},
+	}, {
+		name: "the store was away for every sidecar: taken over",
+		h: History{Retry: true, Executions: twice, Completions: map[string][]Completion{"c": answered},
+			Lapses: []Window{{From: at(50), To: at(2500), Sidecar: All}}},
+		want: Verdict{Executions: 2, TakenOver: 1},
+	}, {
+		name: "another sidecar lost the store: still a duplicate",
+		h: History{Retry: true, Executions: twice, Completions: map[string][]Completion{"c": answered},
+			Lapses: []Window{{From: at(150), To: at(1500), Sidecar: 1}}},
+		want: Verdict{Executions: 2, Duplicates: 1}, fails: true,
+	}, {
+		name: "the store was away, but long after the result was stored: still a duplicate",
+		h: History{Retry: true, Executions: twice, Completions: map[string][]Completion{"c": answered},
+			Lapses: []Window{{From: at(2000), To: at(2900), Sidecar: All}}},
+		want: Verdict{Executions: 2, Duplicates: 1}, fails: true,
+	}, {
+		name: "onAbandoned: Error allows no take-over",
+		h: History{Retry: false, Executions: twice, Completions: map[string][]Completion{"c": answered},
+			Lapses: []Window{{From: at(150), To: at(1500), Sidecar: All}}},
+		want: Verdict{Executions: 2, Duplicates: 1}, fails: true,
+	}, {
+		name: "the owner's sidecar was killed between answering and storing: lost with it",
+		h: History{Retry: true, Executions: twice, Completions: map[string][]Completion{"c": answered},
+			Kills: []Window{{From: at(101), To: at(600), Sidecar: 0}}},
+		want: Verdict{Executions: 2, LostWithSidecar: 1},
+	}, {
+		name: "the owner's sidecar was killed well after storing: a duplicate",
+		h: History{Retry: true, Executions: twice, Completions: map[string][]Completion{"c": answered},
+			Kills: []Window{{From: at(1500), To: at(2000), Sidecar: 0}}},
+		want: Verdict{Executions: 2, Duplicates: 1}, fails: true,
+	}, {
+		name: "a store outage delays storing, and a kill after it loses the result",
+		h: History{Retry: true, Executions: twice, Completions: map[string][]Completion{"c": answered},
+			Outages: []Window{{From: at(50), To: at(900), Sidecar: All}},
+			Kills:   []Window{{From: at(2000), To: at(2500), Sidecar: 0}}},
+		want: Verdict{Executions: 2, LostWithSidecar: 1},
+	}, {
+		name: "the store lost its data in between: not a duplicate",
+		h: History{Retry: true, Executions: twice, Completions: map[string][]Completion{"c": answered},
+			Losses: []time.Time{at(2000)}},
+		want: Verdict{Executions: 2},
+	}, {
+		name: "a retry answered differently with no fault: a mismatch",
+		h: History{Retry: true, Executions: map[string][]time.Time{"c": {at(10)}}, Completions: map[string][]Completion{"c": {
+			{From: at(0), At: at(100), Body: "a"}, {From: at(500), At: at(500), Body: "b", Replayed: true},
+		}}},
+		want: Verdict{Executions: 1, Mismatches: 1}, fails: true,
+	}, {
+		name: "a retry answered differently after a take-over: allowed",
+		h: History{Retry: true, Executions: map[string][]time.Time{"c": {at(10), at(2000)}}, Completions: map[string][]Completion{"c": {
+			{From: at(0), At: at(100), Body: "a"}, {From: at(1900), At: at(2100), Body: "b"},
+		}}, Lapses: []Window{{From: at(50), To: at(1500), Sidecar: 0}}},
+		want: Verdict{Executions: 2, TakenOver: 1},
+	}} {
+		t.Run(tc.name, func(t *testing.T) {
+			tc.h.Lease = lease
+			tc.h.Logf = t.Logf
+			got := tc.h.Classify()
+			if got != tc.want {
+				t.Errorf("Classify() = %+v, want %+v", got, tc.want)
+			}
+			if fails := got.Duplicates != 0 || got.Mismatches != 0; fails != tc.fails {
+				t.Errorf("the run fails: %v, want %v", fails, tc.fails)
+			}
+		})
+	}
+}
