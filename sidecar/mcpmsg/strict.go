@@ -63,7 +63,7 @@ func objectMembers(raw []byte, where string, known ...string) ([]member, error) 
 		return nil, fmt.Errorf("%s must be a JSON object, not %s", where, kindOf(raw))
 	}
 	var ms []member
-	var seen map[string]struct{}
+	var names nameIndex
 	i = skipSpace(raw, i+1)
 	if raw[i] == '}' {
 		return ms, nil
@@ -73,24 +73,7 @@ func objectMembers(raw []byte, where string, known ...string) ([]member, error) 
 		if !ok {
 			return nil, fmt.Errorf("%s has a member name that is not I-JSON (a lone surrogate escape or invalid UTF-8): %s", where, raw[i:end])
 		}
-		// A map once the object is large: a hostile body with many
-		// members must not make this quadratic.
-		dup := false
-		if seen != nil {
-			_, dup = seen[name]
-			seen[name] = struct{}{}
-		} else {
-			for _, m := range ms {
-				dup = dup || m.name == name
-			}
-			if len(ms) >= 16 {
-				seen = make(map[string]struct{}, 2*len(ms))
-				for _, m := range ms {
-					seen[m.name] = struct{}{}
-				}
-				seen[name] = struct{}{}
-			}
-		}
+		dup := names.repeated(ms, name)
 		if dup {
 			return nil, fmt.Errorf("%s has the member %q twice; a message must be read one way only", where, name)
 		}
@@ -109,6 +92,42 @@ func objectMembers(raw []byte, where string, known ...string) ([]member, error) 
 		}
 		i = skipSpace(raw, i+1) // ','
 	}
+}
+
+// nameIndex finds a repeated member name: by comparing names while the
+// object is small, with a map once it is large, so that a hostile body
+// with many members cannot make reading it quadratic.
+type nameIndex struct {
+	set map[string]struct{}
+	// compared counts the names compared one by one: the work that would
+	// grow with the square of the members without the map.
+	compared int
+}
+
+// smallObject is how many members are compared one by one.
+const smallObject = 16
+
+// repeated reports whether name is among the names of ms, the members read
+// before it.
+func (x *nameIndex) repeated(ms []member, name string) bool {
+	if x.set != nil {
+		_, dup := x.set[name]
+		x.set[name] = struct{}{}
+		return dup
+	}
+	dup := false
+	for _, m := range ms {
+		x.compared++
+		dup = dup || m.name == name
+	}
+	if len(ms) >= smallObject {
+		x.set = make(map[string]struct{}, 2*len(ms))
+		for _, m := range ms {
+			x.set[m.name] = struct{}{}
+		}
+		x.set[name] = struct{}{}
+	}
+	return dup
 }
 
 // Member is one member of a JSON object: its name, decoded, and where its
