@@ -38,6 +38,9 @@ ls /run/netns 2>/dev/null >"$RN_STATE/netns.before" || true
 ip netns add "$RN_NETNS"
 rn_in ip link set lo up
 rn_in ip addr add "$RN_NODE_IP/32" dev lo
+# Service addresses need a route for the first lookup; kube-proxy's DNAT
+# then sends them on to a pod (or to the node address).
+rn_in ip route add "$RN_SVC_CIDR" dev lo
 rn_in sysctl -qw net.ipv4.ip_forward=1
 rn_in nft -f - <<NFT
 table inet idemcp_e2e_guard {

@@ -403,7 +403,9 @@ func rpcCode(err error) int64 {
 	return 0
 }
 
-func replayed(res *mcp.CallToolResult) bool { return res != nil && res.Meta["idemcp.io/replayed"] == true }
+func replayed(res *mcp.CallToolResult) bool {
+	return res != nil && res.Meta["idemcp.io/replayed"] == true
+}
 
 func httpGet(ctx context.Context, url string) (string, error) {
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
@@ -455,6 +457,12 @@ func sidecarStatus(t *testing.T, p *corev1.Pod) webhook.Status {
 // replayed), from its metrics.
 func (s *suite) handled(t *testing.T, p *corev1.Pod) int {
 	t.Helper()
+	return s.metric(t, p, "executed", "replayed")
+}
+
+// metric sums idemcp_tool_calls_total of the given outcomes in p's sidecar.
+func (s *suite) metric(t *testing.T, p *corev1.Pod, outcomes ...string) int {
+	t.Helper()
 	st := sidecarStatus(t, p)
 	out, err := httpGet(s.ctx, fmt.Sprintf("http://%s:%d/metrics", p.Status.PodIP, st.AdminPort))
 	if err != nil {
@@ -462,10 +470,12 @@ func (s *suite) handled(t *testing.T, p *corev1.Pod) int {
 	}
 	n := 0
 	for _, line := range strings.Split(out, "\n") {
-		if strings.HasPrefix(line, `idemcp_tool_calls_total{outcome="executed"}`) || strings.HasPrefix(line, `idemcp_tool_calls_total{outcome="replayed"}`) {
-			f := strings.Fields(line)
-			v, _ := strconv.ParseFloat(f[len(f)-1], 64)
-			n += int(v)
+		for _, o := range outcomes {
+			if strings.HasPrefix(line, `idemcp_tool_calls_total{outcome="`+o+`"}`) {
+				f := strings.Fields(line)
+				v, _ := strconv.ParseFloat(f[len(f)-1], 64)
+				n += int(v)
+			}
 		}
 	}
 	return n
@@ -492,6 +502,19 @@ func (s *suite) burst(t *testing.T, n int, tool string, args map[string]any) []*
 func (s *suite) dedupThroughService(t *testing.T) {
 	s.needNode(t)
 	pods := s.readyPods(t, 2)
+	// kube-proxy routes to both pods once it has seen both endpoints:
+	// Passthrough calls (refund, not deduplicated yet) until both answered.
+	eventually(t, time.Minute, "the Service routes to both pods", func() error {
+		if _, err := call(s.ctx, s.svcURL, "refund", map[string]any{"card": "1", "amount": 1}); err != nil {
+			return err
+		}
+		for i := range pods {
+			if s.metric(t, &pods[i], "passthrough") == 0 {
+				return fmt.Errorf("pod %s has answered none yet", pods[i].Name)
+			}
+		}
+		return nil
+	})
 	before := []int{s.handled(t, &pods[0]), s.handled(t, &pods[1])}
 	res := s.burst(t, 30, "charge_card", map[string]any{"card": "4242", "amount": 30})
 	after := []int{s.handled(t, &pods[0]), s.handled(t, &pods[1])}
@@ -706,7 +729,8 @@ func (s *suite) redisPodDeleted(t *testing.T) {
 		if p.UID == old.UID || !podReady(p) {
 			return errors.New("not Ready yet")
 		}
-		_, err = call(s.ctx, s.svcURL, "get_balance", map[string]any{"card": "4242"})
+		// refund (not counted below) with new arguments: the store answers.
+		_, err = call(s.ctx, s.svcURL, "refund", map[string]any{"card": "4242", "amount": time.Now().UnixNano()})
 		return err
 	})
 	res, err := call(s.ctx, s.svcURL, "charge_card", done)
