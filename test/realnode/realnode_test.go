@@ -768,18 +768,17 @@ func (s *suite) podDeletedMidCall(t *testing.T) {
 	// The Deployment replaces the pod; the retry goes to whichever pod.
 	s.readyPods(t, 2)
 	res, err := call(s.ctx, s.svcURL, "charge_card", args)
-	switch {
-	case first.err == nil:
+	if first.err == nil {
 		if err != nil || !replayed(res) {
 			t.Fatalf("the call finished while its pod was deleted, yet a retry was not replayed: %v", err)
 		}
 		t.Log("the call in flight finished during the pod's graceful shutdown; its retry was replayed")
-	default:
-		if err == nil && !replayed(res) {
-			t.Fatalf("the call in flight failed (%v) and its retry ran the tool again", first.err)
-		}
-		t.Logf("the call in flight failed (%v); its retry: %v (onAbandoned: Error)", first.err, err)
+		return
 	}
+	if err == nil && !replayed(res) {
+		t.Fatalf("the call in flight failed (%v) and its retry ran the tool again", first.err)
+	}
+	t.Logf("the call in flight failed (%v); its retry: %v (onAbandoned: Error)", first.err, err)
 }
 
 func (s *suite) scaleManager(t *testing.T, ctx context.Context, n int32, wait bool) {
