@@ -119,6 +119,22 @@ bench: ## Measure the sidecar (own process) against direct, a Go proxy and nginx
 	$(GO) run ./test/bench -out test/bench/results.md $(BENCH_ARGS)
 	assets="$$(hack/setup-envtest.sh)"; KUBEBUILDER_ASSETS="$$assets" $(GO) run ./test/bench/push -out test/bench/results.md
 
+.PHONY: e2e-build
+e2e-build: ## Build (once, cached in ~/.local/share/idemcp) the real-node e2e cluster's binaries: Kubernetes 1.37 and containerd 2.4 from Go modules (20-30 minutes cold).
+	@hack/realnode/build.sh >/dev/null
+
+.PHONY: e2e-up
+e2e-up: ## Start a single-node Kubernetes cluster (no Docker) inside the network namespace idemcp-e2e; make e2e-down stops it.
+	hack/realnode/up.sh
+
+.PHONY: e2e-down
+e2e-down: ## Stop the e2e cluster and remove everything it made outside the build cache.
+	hack/realnode/down.sh
+
+.PHONY: test-e2e
+test-e2e: ## Real-node e2e: cluster up, idemcp installed from dist/install.yaml, the suite (test/realnode), teardown even on failure (root; see docs/e2e.md).
+	hack/realnode/test.sh
+
 ##@ Build
 
 .PHONY: build-linux

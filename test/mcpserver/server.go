@@ -157,5 +157,9 @@ func (s *Server) Handler(stateless bool) http.Handler {
 	return mcp.NewStreamableHTTPHandler(func(*http.Request) *mcp.Server { return s.MCP }, &mcp.StreamableHTTPOptions{
 		Stateless:                    stateless,
 		PropagateRequestCancellation: true,
+		// Behind a sidecar (the real-node e2e) requests arrive on loopback
+		// with the Service's address as Host, which the SDK's DNS
+		// rebinding protection refuses (403).
+		DisableLocalhostProtection: true,
 	})
 }

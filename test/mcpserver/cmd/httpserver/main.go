@@ -7,10 +7,14 @@
 package main
 
 import (
+	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"net/http"
 	"os"
+	"os/signal"
+	"syscall"
 	"time"
 
 	"github.com/idemcp/idemcp/test/mcpserver"
@@ -27,8 +31,21 @@ func main() {
 	})
 	mux.Handle("/", srv.Handler(!*sessions))
 	s := &http.Server{Addr: *listen, Handler: mux, ReadHeaderTimeout: 10 * time.Second}
-	if err := s.ListenAndServe(); err != nil {
+	// On SIGTERM (a pod being deleted) finish the calls in flight, as a
+	// well-behaved MCP server does, then exit.
+	done := make(chan struct{})
+	go func() {
+		sig := make(chan os.Signal, 1)
+		signal.Notify(sig, syscall.SIGTERM, os.Interrupt)
+		<-sig
+		ctx, cancel := context.WithTimeout(context.Background(), 25*time.Second)
+		defer cancel()
+		_ = s.Shutdown(ctx)
+		close(done)
+	}()
+	if err := s.ListenAndServe(); err != nil && !errors.Is(err, http.ErrServerClosed) {
 		fmt.Fprintln(os.Stderr, "httpserver:", err)
 		os.Exit(1)
 	}
+	<-done
 }

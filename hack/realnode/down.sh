@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# Stops the real-node e2e cluster and removes everything up.sh made outside
+# the build cache: its processes (by the PIDs it recorded, and the container
+# shims and containers they started), mounts under /tmp/idemcp-e2e and the
+# pods' network namespaces, the kubepods cgroups, the network namespace
+# idemcp-e2e, the host sysctls kubelet changed, and /tmp/idemcp-e2e. Safe to
+# run again, or when up.sh stopped half way.
+set -uo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+# shellcheck source=env.sh
+source "$here/env.sh"
+t0=$(date +%s)
+[[ -d "$RN_STATE" || -e "/run/netns/$RN_NETNS" ]] || { rn_log "nothing to tear down"; exit 0; }
+RN_BIN="$(cat "$RN_STATE/bin" 2>/dev/null || true)"
+
+stop() { # name: SIGTERM, then SIGKILL after 15 s
+	local f="$RN_STATE/pids/$1.pid" p
+	[[ -f "$f" ]] || return 0
+	p="$(cat "$f")"
+	if kill -0 "$p" 2>/dev/null; then
+		kill "$p" 2>/dev/null
+		for ((i = 0; i < 30; i++)); do kill -0 "$p" 2>/dev/null || break; sleep 0.5; done
+		kill -9 "$p" 2>/dev/null
+	fi
+	rm -f "$f"
+}
+
+# kubelet first, so that nothing restarts the containers removed below.
+for n in kubelet kube-proxy kube-scheduler kube-controller-manager dns; do stop "$n"; done
+# The containers and their shims: a shim whose task is gone exits.
+if [[ -n "$RN_BIN" && -S "$RN_STATE/containerd/containerd.sock" ]]; then
+	for c in $(rn_ctr tasks ls -q 2>/dev/null); do rn_ctr tasks kill -s KILL "$c" >/dev/null 2>&1; done
+	sleep 1
+	for c in $(rn_ctr containers ls -q 2>/dev/null); do
+		rn_ctr tasks delete -f "$c" >/dev/null 2>&1
+		rn_ctr containers rm "$c" >/dev/null 2>&1
+	done
+fi
+stop containerd
+stop kube-apiserver
+stop etcd
+# Any process still running a binary of the cache or the state directory
+# (a shim whose containerd died first) was started by this cluster.
+for p in /proc/[0-9]*; do
+	exe="$(readlink "$p/exe" 2>/dev/null)" || continue
+	case "$exe" in
+	"$RN_STATE"/* | "${RN_BIN:-/nonexistent}"/*) kill -9 "${p#/proc/}" 2>/dev/null ;;
+	esac
+	# Container processes run in the cgroups kubelet made.
+done
+for c in /sys/fs/cgroup/*/kubepods; do
+	[[ -d "$c" ]] || continue
+	find "$c" -name cgroup.procs -exec cat {} + 2>/dev/null | xargs -r kill -9 2>/dev/null
+done
+sleep 0.5
+
+# Mounts: kubelet's volumes, containerd's rootfs and shm, the pods' network
+# namespaces (deepest first).
+for ((i = 0; i < 3; i++)); do
+	mapfile -t mnts < <(awk -v s="$RN_STATE/" '
+		index($2, s) == 1 { print $2 }
+		$2 ~ /^\/run\/netns\/cni-/ { print $2 }
+	' /proc/self/mounts | sort -r)
+	((${#mnts[@]})) || break
+	for m in "${mnts[@]}"; do umount "$m" 2>/dev/null || umount -l "$m" 2>/dev/null; done
+done
+# The pods' network namespace files this run's containerd made.
+for f in /run/netns/cni-*; do
+	[[ -e "$f" ]] || continue
+	grep -qxF "${f##*/}" "$RN_STATE/netns.before" 2>/dev/null || rm -f "$f"
+done
+ip netns del "$RN_NETNS" 2>/dev/null
+# kubelet's cgroups (the kubepods subtree of every controller).
+for c in /sys/fs/cgroup/*/kubepods; do
+	[[ -d "$c" ]] && find "$c" -depth -type d -exec rmdir {} + 2>/dev/null
+done
+# Host sysctls kubelet changed.
+if [[ -f "$RN_STATE/sysctls.saved" ]]; then
+	while IFS='=' read -r k v; do
+		[[ "$(sysctl -n "$k" 2>/dev/null)" == "$v" ]] || sysctl -qw "$k=$v" 2>/dev/null || rn_log "could not restore $k=$v"
+	done <"$RN_STATE/sysctls.saved"
+fi
+# Directories runc, CNI and kubelet make at fixed places, unless they were
+# there before.
+for p in /var/lib/cni /run/containerd /var/log/containers /var/log/pods /etc/cni; do
+	grep -qxF "$p" "$RN_STATE/preexisting" 2>/dev/null || rm -rf "$p"
+done
+if grep -qxF /run/netns "$RN_STATE/created-dirs" 2>/dev/null; then rmdir /run/netns 2>/dev/null; fi
+if grep -q " $RN_STATE" /proc/self/mounts; then
+	rn_log "mounts remain under $RN_STATE; leaving it"
+	exit 1
+fi
+rm -rf "$RN_STATE"
+rn_log "down ($(($(date +%s) - t0))s)"
