@@ -669,6 +669,30 @@ func (s *suite) managerPodDeleted(t *testing.T) {
 		}
 		return nil
 	})
+	// The status above may still be the old manager's: only a change that
+	// both sidecars acknowledge shows they are connected to the new one.
+	p, err := s.getPolicy()
+	if err != nil {
+		t.Fatal(err)
+	}
+	patch := client.MergeFrom(p.DeepCopy())
+	p.Spec.TTL = &metav1.Duration{Duration: ptr.Deref(p.Spec.TTL, metav1.Duration{Duration: time.Hour}).Duration + time.Minute}
+	changed := time.Now()
+	if err := s.k8s.Patch(s.ctx, p, patch); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 2*time.Minute, "both sidecars acknowledge a change through the new manager", func() error {
+		p, err := s.getPolicy()
+		if err != nil {
+			return err
+		}
+		sc := ptr.Deref(p.Status.Sidecars, v1alpha1.SidecarsStatus{})
+		if p.Status.ObservedGeneration != p.Generation || sc.SyncedHash != p.Status.PolicyHash || sc.Synced != 2 {
+			return fmt.Errorf("observedGeneration %d of %d, %d sidecars synced to %s (policy %s)", p.Status.ObservedGeneration, p.Generation, sc.Synced, sc.SyncedHash, p.Status.PolicyHash)
+		}
+		return nil
+	})
+	t.Logf("through the new manager, both sidecars acknowledged a change %s after the patch", time.Since(changed).Round(time.Millisecond))
 }
 
 func countReplayed(res []*mcp.CallToolResult) int {

@@ -70,6 +70,8 @@ var managerRole = map[grant][]string{
 var leaderElectionRole = map[grant][]string{
 	{"coordination.k8s.io", "leases", ""}: {"create", "delete", "get", "list", "patch", "update", "watch"},
 	{"events.k8s.io", "events", ""}:       {"create", "patch"},
+	// Leader election's own Events are core/v1.
+	{"", "events", ""}: {"create", "patch"},
 	// The leader labels its own pod for the policy stream's Service.
 	{"", "pods", ""}: {"patch"},
 }
