@@ -98,6 +98,9 @@ type Server struct {
 	cache     cache.Cache
 
 	leading atomic.Bool
+	// labelMu orders the leader's label with the startup's removal of a
+	// stale one: a replica that wins the lease at once must keep its label.
+	labelMu sync.Mutex
 	synced  atomic.Bool
 	ca      atomic.Pointer[string]
 	nonce   atomic.Uint64
@@ -233,10 +236,15 @@ func (s *Server) listen(ctx context.Context) error {
 	if err := s.watch(ctx); err != nil {
 		return err
 	}
-	// A replica restarted in the same pod is not the leader (yet).
-	if err := s.labelSelf(ctx, false); err != nil {
-		logger.Error(err, "Removing the leader label from the manager's pod failed")
+	// A replica restarted in the same pod is not the leader (yet), unless
+	// it already won the lease: then the label it just set stays.
+	s.labelMu.Lock()
+	if !s.leading.Load() {
+		if err := s.labelSelf(ctx, false); err != nil {
+			logger.Error(err, "Removing the leader label from the manager's pod failed")
+		}
 	}
+	s.labelMu.Unlock()
 	watcher, err := certwatcher.New(s.opts.CertDir+"/tls.crt", s.opts.CertDir+"/tls.key")
 	if err != nil {
 		return fmt.Errorf("policy stream: loading the serving certificate from %s: %w", s.opts.CertDir, err)
@@ -636,13 +644,28 @@ func (l *leader) Start(ctx context.Context) error {
 		st.dirty, st.written = true, ""
 	}
 	s.mu.Unlock()
-	if err := s.labelSelf(ctx, true); err != nil {
-		log.FromContext(ctx).Error(err, "Labelling the manager's pod as the policy stream's leader failed")
+	// Without the label the stream's Service has no endpoint: retry until
+	// it is set.
+	for wait := 250 * time.Millisecond; ; wait = min(2*wait, 5*time.Second) {
+		s.labelMu.Lock()
+		err := s.labelSelf(ctx, true)
+		s.labelMu.Unlock()
+		if err == nil {
+			break
+		}
+		log.FromContext(ctx).Error(err, "Labelling the manager's pod as the policy stream's leader failed; retrying", "in", wait)
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-time.After(wait):
+		}
 	}
 	defer func() {
 		unlabel, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		defer cancel()
+		s.labelMu.Lock()
 		_ = s.labelSelf(unlabel, false)
+		s.labelMu.Unlock()
 	}()
 	return s.flushLoop(log.IntoContext(ctx, log.FromContext(ctx).WithName("policy-stream")))
 }
