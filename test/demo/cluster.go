@@ -92,7 +92,15 @@ func (d *demo) install(ctx context.Context) error {
 	crd.SetAPIVersion("apiextensions.k8s.io/v1")
 	crd.SetKind("CustomResourceDefinition")
 	err = d.k8s.Get(ctx, client.ObjectKey{Name: "idempotencypolicies.idemcp.io"}, &crd)
-	d.installed = apierrors.IsNotFound(err)
+	if err == nil {
+		// Someone's installation: use it as it is, never change it.
+		fmt.Println("      idemcp is installed already (its CRD exists): using it as it is, with its own image; it stays installed")
+		return d.waitManager(ctx)
+	}
+	if !apierrors.IsNotFound(err) {
+		return fmt.Errorf("looking for idemcp's CRD: %w", err)
+	}
+	d.installed = true
 	objs, err := decodeAll(b)
 	if err != nil {
 		return fmt.Errorf("dist/install.yaml: %w", err)
@@ -111,16 +119,23 @@ func (d *demo) install(ctx context.Context) error {
 			}
 			_ = unstructured.SetNestedSlice(o.Object, cs, "spec", "template", "spec", "containers")
 		}
-		if err := d.k8s.Apply(ctx, client.ApplyConfigurationFromUnstructured(o), client.FieldOwner("idemcp-demo"), client.ForceOwnership); err != nil {
+		// A namespace left terminating by a previous run refuses new
+		// objects for a while: wait it out.
+		if err := waitFor(ctx, nil, 2*time.Minute, func() error {
+			return d.k8s.Apply(ctx, client.ApplyConfigurationFromUnstructured(o), client.FieldOwner("idemcp-demo"))
+		}); err != nil {
 			return fmt.Errorf("applying %s %s: %w", o.GetKind(), o.GetName(), err)
 		}
 	}
 	if images == 0 {
 		return fmt.Errorf("dist/install.yaml has no container with image %s*", defaultImage)
 	}
-	if !d.installed {
-		fmt.Println("      idemcp was installed already: updated in place, and left installed at the end")
-	}
+	return d.waitManager(ctx)
+}
+
+// waitManager waits until the manager is available and its webhook has a
+// CA bundle.
+func (d *demo) waitManager(ctx context.Context) error {
 	if err := waitFor(ctx, nil, 3*time.Minute, func() error {
 		var dep appsv1.Deployment
 		if err := d.k8s.Get(ctx, client.ObjectKey{Namespace: "idemcp-system", Name: "idemcp-manager"}, &dep); err != nil {
@@ -353,6 +368,15 @@ func (d *demo) cleanupCluster() {
 		if err := d.k8s.Delete(ctx, d.manifest[i]); err != nil && !apierrors.IsNotFound(err) {
 			fmt.Fprintf(os.Stderr, "demo: uninstalling %s %s: %v\n", d.manifest[i].GetKind(), d.manifest[i].GetName(), err)
 		}
+	}
+	if err := waitFor(ctx, nil, 2*time.Minute, func() error {
+		err := d.k8s.Get(ctx, client.ObjectKey{Name: "idemcp-system"}, &corev1.Namespace{})
+		if apierrors.IsNotFound(err) {
+			return nil
+		}
+		return errors.New("namespace idemcp-system still terminating")
+	}); err != nil {
+		fmt.Fprintf(os.Stderr, "demo: uninstalling: %v\n", err)
 	}
 	fmt.Println("demo: removed the demo namespace and uninstalled idemcp")
 }

@@ -333,6 +333,9 @@ func (d *demo) deployment() *appsv1.Deployment {
 			Capabilities: &corev1.Capabilities{Drop: []corev1.Capability{"ALL"}},
 		}
 		dep.Spec.Template.Spec.SecurityContext = &corev1.PodSecurityContext{SeccompProfile: &corev1.SeccompProfile{Type: corev1.SeccompProfileTypeRuntimeDefault}}
+		// The root filesystem is read-only; the server writes only to /tmp.
+		dep.Spec.Template.Spec.Volumes = []corev1.Volume{{Name: "tmp", VolumeSource: corev1.VolumeSource{EmptyDir: &corev1.EmptyDirVolumeSource{}}}}
+		c.VolumeMounts = []corev1.VolumeMount{{Name: "tmp", MountPath: "/tmp"}}
 	}
 	return dep
 }
@@ -778,7 +781,7 @@ func freeAddr() (string, error) {
 }
 
 func httpOK(url string) error {
-	resp, err := http.Get(url) //nolint:gosec,noctx // a loopback readiness probe
+	resp, err := probeClient.Get(url) //nolint:gosec,noctx // a loopback readiness probe, bounded by the client's timeout
 	if err != nil {
 		return err
 	}
@@ -821,7 +824,7 @@ func (authTransport) RoundTrip(r *http.Request) (*http.Response, error) {
 }
 
 func charges(tool string) (int, error) {
-	resp, err := http.Get(serverBase + "/counts") //nolint:noctx // loopback
+	resp, err := probeClient.Get(serverBase + "/counts") //nolint:noctx // loopback, bounded by the client's timeout
 	if err != nil {
 		return 0, err
 	}
@@ -855,6 +858,10 @@ func serve(args []string) {
 		os.Exit(1)
 	}
 }
+
+// probeClient reads the server's counts: a stalled port-forward must not
+// hang the demo.
+var probeClient = &http.Client{Timeout: 10 * time.Second}
 
 func indent(s, prefix string) string {
 	lines := strings.Split(strings.TrimRight(s, "\n"), "\n")
