@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Stops the real-node e2e cluster and removes everything up.sh made outside
 # the build cache: its processes (by the PIDs it recorded, and the container
-# shims and containers they started), mounts under /tmp/idemcp-e2e and the
+# shims and containers they started), mounts under /run/idemcp-e2e and the
 # pods' network namespaces, the kubepods cgroups, the network namespace
-# idemcp-e2e, the host sysctls kubelet changed, and /tmp/idemcp-e2e. Safe to
+# idemcp-e2e, the host sysctls kubelet changed, and /run/idemcp-e2e. Safe to
 # run again, or when up.sh stopped half way.
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -11,6 +11,12 @@ here="$(cd "$(dirname "$0")" && pwd)"
 source "$here/env.sh"
 t0=$(date +%s)
 [[ -d "$RN_STATE" || -e "/run/netns/$RN_NETNS" ]] || { rn_log "nothing to tear down"; exit 0; }
+# Act only on a state directory root made (up.sh makes it 0700): what it
+# records is run as root here.
+if [[ -e "$RN_STATE" ]] && { [[ -L "$RN_STATE" ]] || [[ "$(stat -c %u "$RN_STATE")" != 0 ]]; }; then
+	rn_log "$RN_STATE is a symlink or not owned by root; not trusting it: remove it by hand"
+	exit 1
+fi
 RN_BIN="$(cat "$RN_STATE/bin" 2>/dev/null || true)"
 
 stop() { # name: SIGTERM, then SIGKILL after 15 s
@@ -82,9 +88,12 @@ if [[ -f "$RN_STATE/sysctls.saved" ]]; then
 fi
 # Directories runc, CNI and kubelet make at fixed places, unless they were
 # there before.
-for p in /var/lib/cni /run/containerd /var/log/containers /var/log/pods /etc/cni; do
-	grep -qxF "$p" "$RN_STATE/preexisting" 2>/dev/null || rm -rf "$p"
-done
+# Without the record of what was there before, remove none of them.
+if [[ -f "$RN_STATE/preexisting" ]]; then
+	for p in /var/lib/cni /run/containerd /var/log/containers /var/log/pods /etc/cni; do
+		grep -qxF "$p" "$RN_STATE/preexisting" || rm -rf "$p"
+	done
+fi
 if grep -qxF /run/netns "$RN_STATE/created-dirs" 2>/dev/null; then rmdir /run/netns 2>/dev/null; fi
 if grep -q " $RN_STATE" /proc/self/mounts; then
 	rn_log "mounts remain under $RN_STATE; leaving it"

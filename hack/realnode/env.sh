@@ -3,7 +3,7 @@
 # under $RN_STATE, in the network namespace $RN_NETNS, or recorded there.
 # shellcheck shell=bash
 RN_REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-RN_STATE="${IDEMCP_E2E_STATE:-/tmp/idemcp-e2e}"
+RN_STATE="${IDEMCP_E2E_STATE:-/run/idemcp-e2e}"
 RN_NETNS=idemcp-e2e
 RN_NODE=idemcp-e2e-node
 RN_NODE_IP=10.201.0.1

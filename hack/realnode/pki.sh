@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Writes the real-node e2e cluster's CA, the components' certificates and
-# their kubeconfigs under /tmp/idemcp-e2e (called by up.sh).
+# their kubeconfigs under /run/idemcp-e2e (called by up.sh).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 # shellcheck source=env.sh

@@ -8,9 +8,9 @@
 # interfaces. Then imports the images (hack/realnode/images.sh) and waits for
 # the node to be Ready. hack/realnode/down.sh undoes all of it.
 #
-# The admin kubeconfig is /tmp/idemcp-e2e/admin.kubeconfig; the API server is
+# The admin kubeconfig is /run/idemcp-e2e/admin.kubeconfig; the API server is
 # reachable only inside the namespace:
-#   ip netns exec idemcp-e2e kubectl --kubeconfig /tmp/idemcp-e2e/admin.kubeconfig get pods -A
+#   ip netns exec idemcp-e2e kubectl --kubeconfig /run/idemcp-e2e/admin.kubeconfig get pods -A
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 # shellcheck source=env.sh
@@ -25,6 +25,8 @@ if [[ -e "/run/netns/$RN_NETNS" || -e "$RN_STATE" ]]; then
 	rn_log "a cluster (or its leftovers) exists: run hack/realnode/down.sh (make e2e-down) first"
 	exit 1
 fi
+# Root's own, made here and now: down.sh acts as root on what it holds.
+mkdir -m 0700 "$RN_STATE"
 mkdir -p "$RN_STATE"/{logs,pids,pki,cni/net.d,cni/ipam,containerd,kubelet,pv/redis,pod-logs}
 echo "$RN_BIN" >"$RN_STATE/bin"
 # What to restore or remove on teardown.
