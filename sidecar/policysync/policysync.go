@@ -17,6 +17,7 @@ import (
 	"io"
 	"log/slog"
 	"math/rand/v2"
+	"net"
 	"net/http"
 	"os"
 	"strings"
@@ -63,6 +64,12 @@ type Options struct {
 	// refusal (401, 403, 404) waits RefusedBackoff (default 1m), doubling up
 	// to 10m: a token or label problem is not fixed by retrying at once.
 	MinBackoff, MaxBackoff, RefusedBackoff time.Duration
+	// ConnectTimeout bounds the TCP connect and the TLS handshake, and
+	// HeaderTimeout the wait for the stream's response header (defaults
+	// 5s, 30s). Without them a connect to the Service while it still
+	// points at a manager pod that just died waits out the kernel's SYN
+	// retries, about two minutes, before the next attempt.
+	ConnectTimeout, HeaderTimeout time.Duration
 	// Transport overrides the HTTP transport (tests, benchmarks).
 	Transport http.RoundTripper
 }
@@ -104,6 +111,8 @@ func New(o Options) (*Client, error) {
 	setDefault(&c.o.MinBackoff, 200*time.Millisecond)
 	setDefault(&c.o.MaxBackoff, 5*time.Second)
 	setDefault(&c.o.RefusedBackoff, time.Minute)
+	setDefault(&c.o.ConnectTimeout, 5*time.Second)
+	setDefault(&c.o.HeaderTimeout, 30*time.Second)
 	return c, nil
 }
 
@@ -245,10 +254,12 @@ func (c *Client) transport() http.RoundTripper {
 	c.mu.Unlock()
 	t := &http.Transport{
 		// Verification is never skipped: with no bundle, the system roots.
-		TLSClientConfig:     &tls.Config{RootCAs: roots, MinVersion: tls.VersionTLS12},
-		ForceAttemptHTTP2:   true,
-		TLSHandshakeTimeout: 10 * time.Second,
-		HTTP2:               &http.HTTP2Config{SendPingTimeout: 15 * time.Second, PingTimeout: 5 * time.Second},
+		TLSClientConfig:       &tls.Config{RootCAs: roots, MinVersion: tls.VersionTLS12},
+		ForceAttemptHTTP2:     true,
+		DialContext:           (&net.Dialer{Timeout: c.o.ConnectTimeout, KeepAlive: 30 * time.Second}).DialContext,
+		TLSHandshakeTimeout:   c.o.ConnectTimeout,
+		ResponseHeaderTimeout: c.o.HeaderTimeout,
+		HTTP2:                 &http.HTTP2Config{SendPingTimeout: 15 * time.Second, PingTimeout: 5 * time.Second},
 	}
 	return t
 }

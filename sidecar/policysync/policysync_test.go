@@ -1,7 +1,10 @@
 package policysync
 
 import (
+	"context"
+	"net"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -111,5 +114,53 @@ func TestStoreIdentityIgnoresManagedRedisSizing(t *testing.T) {
 	}
 	if policywire.StoreIdentity(v1alpha1.StoreSpec{}) != policywire.StoreIdentity(v1alpha1.StoreSpec{Type: v1alpha1.StoreMemory}) {
 		t.Fatal("the default store differs from Memory")
+	}
+}
+
+// TestStalledManagerIsGivenUp: a manager address that takes the connection
+// and never answers (as a Service still routing to a pod that just died
+// can look) ends the attempt by itself, so the sidecar retries and finds
+// the new leader, rather than waiting minutes on one connection.
+func TestStalledManagerIsGivenUp(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0") // held open: no port race
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = ln.Close() }()
+	var held []net.Conn
+	var mu sync.Mutex
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			held = append(held, c) // accepted, never answered
+			mu.Unlock()
+		}
+	}()
+	defer func() {
+		mu.Lock()
+		defer mu.Unlock()
+		for _, c := range held {
+			_ = c.Close()
+		}
+	}()
+	start := policy.Default()
+	c, err := New(Options{Endpoint: "https://" + ln.Addr().String(), Namespace: "shop", Name: "pay",
+		Token: func() (string, error) { return "t", nil }, Engine: engine.New(engine.Options{Policy: start}),
+		ConnectTimeout: 300 * time.Millisecond, HeaderTimeout: 300 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(t.Context(), 5*time.Second)
+	defer cancel()
+	got, err := c.session(ctx)
+	if ctx.Err() != nil {
+		t.Fatal("the attempt on a manager that never answers was still waiting after 5s, with a connect timeout of 300ms")
+	}
+	if got || err == nil {
+		t.Fatalf("session = %v, %v; want an error that ends the attempt", got, err)
 	}
 }

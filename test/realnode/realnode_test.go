@@ -166,7 +166,9 @@ func (s *suite) dump(t *testing.T) {
 		{"get", "pods", "-A", "-o", "wide"},
 		{"get", "idpol", "-A", "-o", "yaml"},
 		{"get", "events", "-A", "--sort-by=.lastTimestamp"},
-		{"-n", s.mgrNS, "logs", "deployment/idemcp-manager", "--tail=60"},
+		{"-n", s.mgrNS, "logs", "-l", "app.kubernetes.io/component=manager", "--prefix", "--tail=40"},
+		{"-n", s.mgrNS, "get", "endpointslices", "-o", "wide"},
+		{"-n", s.ns, "logs", "-l", "app=mcp", "-c", "idemcp-proxy", "--prefix", "--tail=30"},
 	} {
 		out, _ := exec.Command(s.kubectl, args...).CombinedOutput()
 		t.Logf("kubectl %s:\n%s", strings.Join(args, " "), out)
