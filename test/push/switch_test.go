@@ -78,6 +78,7 @@ func TestPassthroughToDeduplicateUnderLoad(t *testing.T) {
 	type pair struct {
 		i          int
 		startedNew bool // the sidecar enforced the new policy before the pair began
+		updated    bool // the change was sent before the pair began
 		ran        int
 		at         time.Time
 	}
@@ -93,7 +94,7 @@ func TestPassthroughToDeduplicateUnderLoad(t *testing.T) {
 		if i > 500 {
 			t.Fatal("the change never reached the sidecar")
 		}
-		p := pair{i: i, at: time.Now(), startedNew: newHash != "" && sc.Engine().Policy().Hash == newHash}
+		p := pair{i: i, at: time.Now(), updated: newHash != "", startedNew: newHash != "" && sc.Engine().Policy().Hash == newHash}
 		before := server.Counts.Get("charge_card")
 		args := map[string]any{"card": fmt.Sprintf("card-%d", i), "amount": i}
 		for try := range 2 {
@@ -119,9 +120,16 @@ func TestPassthroughToDeduplicateUnderLoad(t *testing.T) {
 			if p.ran != 1 {
 				t.Fatalf("pair %d began under Deduplicate and ran %d times, want 1", p.i, p.ran)
 			}
+		case p.updated:
+			// Sent after the change and before the sidecar was seen to
+			// enforce it: Passthrough, or straddling the switch (the first
+			// call was not recorded, so the retry runs once more), or both
+			// calls under the new policy if it arrived just after the
+			// check. Never a third time, never not at all.
+			if p.ran != 1 && p.ran != 2 {
+				t.Fatalf("pair %d, sent as the change arrived, ran %d times, want 1 or 2", p.i, p.ran)
+			}
 		default:
-			// Passthrough, or straddling the switch: the first call was not
-			// recorded, so the retry runs once more; never a third time.
 			if p.ran != 2 {
 				t.Fatalf("pair %d under Passthrough ran %d times, want 2", p.i, p.ran)
 			}
