@@ -32,6 +32,7 @@ func TestEnvErrorsNameTheVariable(t *testing.T) {
 		{"IDEMCP_UPSTREAM", "ftp://x", `IDEMCP_UPSTREAM (--upstream): "ftp://x" is not an http:// or https:// URL with a host`},
 		{"IDEMCP_LOG_LEVEL", "loud", `IDEMCP_LOG_LEVEL: "loud" is not one of debug, info, warn, error`},
 		{"IDEMCP_LISTEN", "nonsense", "IDEMCP_LISTEN (--listen): listen tcp: address nonsense: missing port in address"},
+		{"IDEMCP_UPSTREAM_DIAL_IPS", "10.1.2.3,mcp.local", `IDEMCP_UPSTREAM_DIAL_IPS (--upstream-dial-ips): "mcp.local" is not an IP address`},
 	} {
 		t.Run(tc.env, func(t *testing.T) {
 			t.Setenv(tc.env, tc.value)

@@ -13,6 +13,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"net/netip"
 	"net/url"
 	"os"
 	"strings"
@@ -35,9 +36,14 @@ import (
 // Options are the sidecar's flags; each also reads IDEMCP_<FLAG> from the
 // environment (IDEMCP_LISTEN, IDEMCP_UPSTREAM, ...; see NewFlagSet).
 type Options struct {
-	Listen     string
-	Upstream   string
-	PolicyFile string
+	Listen   string
+	Upstream string
+	// UpstreamDialIPs are IP addresses, comma-separated, at which the
+	// upstream's port is tried before the upstream URL's host: the pod's
+	// IPs, which the webhook sets from the Downward API (httpproxy's
+	// dial.go says why).
+	UpstreamDialIPs string
+	PolicyFile      string
 	// Policy is an inline IdempotencyPolicy manifest (YAML or JSON): the
 	// snapshot the webhook writes into an injected sidecar's env.
 	Policy           string
@@ -139,6 +145,7 @@ func (o *StoreOptions) BindEnv(s *cli.Set) {
 func (o *Options) Flags(fs *flag.FlagSet) {
 	fs.StringVar(&o.Listen, "listen", ":8081", "address the proxy listens on")
 	fs.StringVar(&o.Upstream, "upstream", "", "URL of the MCP server, such as http://127.0.0.1:8080 (required)")
+	fs.StringVar(&o.UpstreamDialIPs, "upstream-dial-ips", "", "IP addresses, comma-separated, where the sidecar connects to the upstream's port first, falling back to --upstream's host when nothing listens there; the webhook sets the pod's IPs, so that the MCP server sees requests to its pod IP, not loopback (empty: --upstream's host only)")
 	fs.StringVar(&o.PolicyFile, "policy-file", "", "an IdempotencyPolicy YAML file; only its spec is used (default: Memory store, Session scope, Auto, 24h TTL)")
 	fs.StringVar(&o.Policy, "policy", "", "an inline IdempotencyPolicy manifest (YAML or JSON), as the webhook injects it; exclusive with --policy-file")
 	fs.StringVar(&o.AdminListen, "admin-listen", DefaultAdminListen, "address of /healthz, /readyz and /metrics (empty: off); the webhook sets the pod's admin port")
@@ -215,6 +222,10 @@ func New(o Options) (*Sidecar, error) {
 	if err != nil || (up.Scheme != "http" && up.Scheme != "https") || up.Host == "" {
 		return nil, fmt.Errorf("--upstream: %q is not an http:// or https:// URL with a host", o.Upstream)
 	}
+	dialIPs, err := parseDialIPs(o.UpstreamDialIPs)
+	if err != nil {
+		return nil, err
+	}
 	pol, err := LoadPolicy(o.PolicyFile, o.Policy)
 	if err != nil {
 		return nil, err
@@ -233,8 +244,12 @@ func New(o Options) (*Sidecar, error) {
 	}
 	eng := engine.New(engine.Options{Policy: pol, Store: st, Metrics: engine.NewMetrics(reg), Logger: log,
 		MaxWaitersPerKey: o.Limits.MaxWaitersPerKey, MaxWaitersPerPrincipal: o.Limits.MaxWaitersPerPrincipal})
+	// Every connection to the MCP server goes through one dialer, which
+	// remembers the address that answers.
+	dialer := httpproxy.NewUpstreamDialer(up, dialIPs, log)
 	proxy := httpproxy.New(httpproxy.Options{
 		Upstream:         up,
+		Dialer:           dialer,
 		Engine:           eng,
 		MaxBodyBytes:     o.MaxBodyBytes,
 		MaxResponseBytes: o.MaxResponseBytes,
@@ -246,7 +261,10 @@ func New(o Options) (*Sidecar, error) {
 	})
 	// Auto needs each tool's readOnlyHint before its first call: the
 	// sidecar lists the tools itself rather than wait for a client to.
-	lh := toollist.NewHTTP(&http.Client{Timeout: 30 * time.Second}, up)
+	lt := httpproxy.NewTransport()
+	lt.MaxIdleConns, lt.MaxIdleConnsPerHost = 2, 2
+	lt.DialContext = dialer.DialContext
+	lh := toollist.NewHTTP(&http.Client{Timeout: 30 * time.Second, Transport: lt}, up)
 	lister := toollist.New(toollist.Options{Hints: eng.Hints(), List: lh.List, Registerer: reg, Logger: log})
 	lh.OnChanged(lister.Changed)
 	return &Sidecar{
@@ -260,6 +278,23 @@ func New(o Options) (*Sidecar, error) {
 		handler:   lh.Watch(proxy),
 		lister:    lister,
 	}, nil
+}
+
+// parseDialIPs reads --upstream-dial-ips: the Downward API's
+// status.podIPs, comma-separated, primary first.
+func parseDialIPs(v string) ([]netip.Addr, error) {
+	var ips []netip.Addr
+	for _, f := range strings.Split(v, ",") {
+		if f = strings.TrimSpace(f); f == "" {
+			continue
+		}
+		ip, err := netip.ParseAddr(f)
+		if err != nil {
+			return nil, fmt.Errorf("--upstream-dial-ips: %q is not an IP address; want IP addresses separated by commas, such as 10.1.2.3,fd00::3", f)
+		}
+		ips = append(ips, ip)
+	}
+	return ips, nil
 }
 
 // OpenStore opens the store the options and the policy ask for, sealed
@@ -436,7 +471,7 @@ func (s *Sidecar) Run(ctx context.Context) error {
 	}
 	pol := s.engine.Policy()
 	s.log.Info("Sidecar listening", append([]any{"listen", ln.Addr().String(), "admin", admin, "upstream", s.opts.Upstream,
-		"policy", pol.Hash}, s.storeInfo.LogAttrs()...)...)
+		"upstreamDialIPs", s.opts.UpstreamDialIPs, "policy", pol.Hash}, s.storeInfo.LogAttrs()...)...)
 	go CheckStore(ctx, s.store, s.storeInfo, pol, s.log)
 	pushCtx, stopPush := context.WithCancel(ctx)
 	defer stopPush()

@@ -58,6 +58,10 @@ const (
 	PortNameShadowed = "idemcp-dup-"
 )
 
+// EnvUpstreamDialIPs is the sidecar's --upstream-dial-ips, which the
+// webhook sets to the pod's IPs (the Downward API's status.podIPs).
+const EnvUpstreamDialIPs = "IDEMCP_UPSTREAM_DIAL_IPS"
+
 // MaxPolicySnapshotBytes is the largest IDEMCP_POLICY value: Linux caps one
 // environment string ("NAME=value" and its NUL) at 128 KiB, and a container
 // past it fails to start with E2BIG.
@@ -367,6 +371,12 @@ func sidecarContainer(p *v1alpha1.IdempotencyPolicy, cfg Config, plan *portPlan,
 		{Name: "IDEMCP_POLICY", Value: snapshot},
 		{Name: "POD_NAME", ValueFrom: &corev1.EnvVarSource{FieldRef: &corev1.ObjectFieldSelector{FieldPath: "metadata.name"}}},
 		{Name: "POD_NAMESPACE", ValueFrom: &corev1.EnvVarSource{FieldRef: &corev1.ObjectFieldSelector{FieldPath: "metadata.namespace"}}},
+		// --upstream-dial-ips: the sidecar reaches the MCP server at the
+		// pod's IPs (primary first, both families in a dual-stack pod),
+		// so the server sees a request to its pod IP with the client's
+		// Host, which SDKs' DNS rebinding protection refuses over loopback;
+		// a server that listens only on loopback is reached at --upstream.
+		{Name: EnvUpstreamDialIPs, ValueFrom: &corev1.EnvVarSource{FieldRef: &corev1.ObjectFieldSelector{FieldPath: "status.podIPs"}}},
 	}
 	if r := p.Spec.Store.Redis; p.Spec.Store.Type == v1alpha1.StoreRedis && r != nil {
 		var ref *corev1.SecretKeySelector

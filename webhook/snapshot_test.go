@@ -43,9 +43,14 @@ func TestInjectedSidecarEnforcesItsSnapshot(t *testing.T) {
 		Tools:       []v1alpha1.ToolRule{{Name: "refund", Mode: v1alpha1.ModePassthrough}},
 	})
 
+	// The server listens only on the "pod IP", 127.0.0.2 (tests reach
+	// loopback alone), so the sidecar reaches it only if it dials the
+	// IPs the kubelet puts in IDEMCP_UPSTREAM_DIAL_IPS, not the
+	// --upstream address 127.0.0.1.
+	const podIP = "127.0.0.2"
 	srv := mcpserver.New()
 	upstream := httptest.NewUnstartedServer(srv.Handler(true))
-	l, err := net.Listen("tcp", "127.0.0.1:0")
+	l, err := net.Listen("tcp", podIP+":0")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -70,8 +75,11 @@ func TestInjectedSidecarEnforcesItsSnapshot(t *testing.T) {
 	cmd := exec.Command(bin, c.Args...)
 	cmd.Env = []string{"PATH=" + os.Getenv("PATH")}
 	for _, e := range c.Env {
-		if e.ValueFrom == nil {
+		switch {
+		case e.ValueFrom == nil:
 			cmd.Env = append(cmd.Env, e.Name+"="+e.Value)
+		case e.ValueFrom.FieldRef != nil && e.ValueFrom.FieldRef.FieldPath == "status.podIPs":
+			cmd.Env = append(cmd.Env, e.Name+"="+podIP) // as the kubelet resolves it
 		}
 	}
 	cmd.Stderr = os.Stderr

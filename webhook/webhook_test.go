@@ -141,6 +141,14 @@ func TestInjectsOptedInPod(t *testing.T) {
 	if pre := envValue(c, "IDEMCP_REDIS_KEY_PREFIX"); pre == nil || pre.Value != "idemcp:"+ns+"/payments:" {
 		t.Errorf("redis key prefix env %+v, want idemcp:%s/payments:", pre, ns)
 	}
+	// The sidecar reaches the MCP server at the pod's IPs (the kubelet
+	// fills them in), not only at the loopback address of --upstream: an
+	// SDK refuses a request that keeps the Service's Host over loopback.
+	// The API server took the pod, so it accepts the field path.
+	if ips := envValue(c, webhook.EnvUpstreamDialIPs); ips == nil || ips.Value != "" || ips.ValueFrom == nil ||
+		ips.ValueFrom.FieldRef == nil || ips.ValueFrom.FieldRef.FieldPath != "status.podIPs" {
+		t.Errorf("%s env %+v, want a fieldRef to status.podIPs", webhook.EnvUpstreamDialIPs, ips)
+	}
 	snap := envValue(c, "IDEMCP_POLICY")
 	if snap == nil || !strings.Contains(snap.Value, `"kind":"IdempotencyPolicy"`) || !strings.Contains(snap.Value, `"managed":{}`) || strings.Contains(snap.Value, "password") {
 		t.Errorf("policy snapshot %+v", snap)

@@ -473,9 +473,10 @@ func (p *Proxy) serveLegacySession(s *legacySession, r *http.Request, first mcpm
 
 // clientEndpoint returns the endpoint event's data as the client must see
 // it, the key the client's POSTs to it will have, and whether those POSTs
-// reach the sidecar. An absolute URL to the upstream's host becomes a
-// path; a path under the upstream URL's own path loses that prefix (the
-// sidecar adds it back). Relative references resolve as they did.
+// reach the sidecar. An absolute URL to the upstream's host, or to the
+// pod IP the sidecar reaches it at, becomes a path; a path under the
+// upstream URL's own path loses that prefix (the sidecar adds it back).
+// Relative references resolve as they did.
 func (p *Proxy) clientEndpoint(data string, in *http.Request) (string, string, bool) {
 	u, err := url.Parse(strings.TrimSpace(data))
 	if err != nil {
@@ -484,7 +485,7 @@ func (p *Proxy) clientEndpoint(data string, in *http.Request) (string, string, b
 	changed := false
 	if u.Scheme != "" || u.Host != "" {
 		switch {
-		case strings.EqualFold(u.Host, p.opts.Upstream.Host):
+		case strings.EqualFold(u.Host, p.opts.Upstream.Host) || (p.opts.Dialer != nil && p.opts.Dialer.isUpstream(u.Host)):
 			u = &url.URL{Path: u.Path, RawPath: u.RawPath, RawQuery: u.RawQuery, Fragment: u.Fragment}
 			changed = true
 		case strings.EqualFold(u.Host, in.Host):

@@ -69,7 +69,11 @@ type Options struct {
 	ResumeGrace time.Duration
 	// Transport reaches the upstream (a tuned http.Transport if nil).
 	Transport http.RoundTripper
-	Logger    *slog.Logger
+	// Dialer connects the default Transport to the upstream, at the pod's
+	// IP first (dial.go); nil: at the upstream URL's host. Its addresses
+	// are the upstream's own in a legacy SSE endpoint.
+	Dialer *UpstreamDialer
+	Logger *slog.Logger
 	// Registerer takes the transport's metrics (nil: not registered).
 	Registerer prometheus.Registerer
 	// MaxStreamsPerPrincipal and MaxStreams bound the requests held open
@@ -129,7 +133,11 @@ func New(o Options) *Proxy {
 		o.ResumeGrace = DefaultResumeGrace
 	}
 	if o.Transport == nil {
-		o.Transport = NewTransport()
+		t := NewTransport()
+		if o.Dialer != nil {
+			t.DialContext = o.Dialer.DialContext
+		}
+		o.Transport = t
 	}
 	o.Transport = noResend{next: o.Transport}
 	if o.Logger == nil {

@@ -153,13 +153,28 @@ func New() *Server {
 // speaks 2026-07-28 with clients that offer it; a stateful one keeps
 // sessions (2025-11-25 and earlier). Cancellation reaches the tools either
 // way, so a test can see what a forwarded cancel would do.
+//
+// The SDK's DNS rebinding protection is off: in-process tests reach the
+// server over loopback with the Hosts they test (such as a Service's
+// name), which it refuses (403). ProtectedHandler keeps it.
 func (s *Server) Handler(stateless bool) http.Handler {
+	return s.handler(stateless, false)
+}
+
+// ProtectedHandler is Handler as an unmodified Go SDK server serves it:
+// with the SDK's default DNS rebinding protection, which answers 403 to a
+// request that arrives on a loopback address with a Host that is not
+// loopback. The real-node e2e's server (cmd/httpserver) serves this, so
+// that it proves the sidecar reaches the server at the pod's IP with the
+// Service's Host.
+func (s *Server) ProtectedHandler(stateless bool) http.Handler {
+	return s.handler(stateless, true)
+}
+
+func (s *Server) handler(stateless, protect bool) http.Handler {
 	return mcp.NewStreamableHTTPHandler(func(*http.Request) *mcp.Server { return s.MCP }, &mcp.StreamableHTTPOptions{
 		Stateless:                    stateless,
 		PropagateRequestCancellation: true,
-		// Behind a sidecar (the real-node e2e) requests arrive on loopback
-		// with the Service's address as Host, which the SDK's DNS
-		// rebinding protection refuses (403).
-		DisableLocalhostProtection: true,
+		DisableLocalhostProtection:   !protect,
 	})
 }
