@@ -34,13 +34,16 @@ const listVersion = "2025-11-25"
 
 // HTTP lists a Streamable HTTP server's tools. Its endpoint is the path
 // clients post MCP messages to: learned from their traffic (see Watch),
-// and until then the upstream URL's path, or /mcp.
+// and until then the upstream URL's path, or /mcp. Its requests carry the
+// Host clients send, learned the same way: a server that allows only its
+// public host names (against DNS rebinding) refuses the upstream URL's.
 type HTTP struct {
 	client   *http.Client
 	upstream *url.URL
 
 	mu   sync.Mutex
 	path string
+	host string // "": the upstream URL's
 
 	changed atomic.Pointer[func()]
 	seq     atomic.Int64
@@ -59,12 +62,18 @@ func NewHTTP(client *http.Client, upstream *url.URL) *HTTP {
 // notifications/tools/list_changed.
 func (h *HTTP) OnChanged(f func()) { h.changed.Store(&f) }
 
-func (h *HTTP) endpoint() string {
+// target is where the lister's requests go: a URL, and the Host they
+// carry ("": the URL's).
+type target struct{ url, host string }
+
+func (t target) String() string { return t.url }
+
+func (h *HTTP) endpoint() target {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	u := *h.upstream
 	u.Path, u.RawPath, u.RawQuery = h.path, "", ""
-	return u.String()
+	return target{url: u.String(), host: h.host}
 }
 
 // Watch wraps the proxy's handler: Streamable HTTP POSTs tell the
@@ -74,7 +83,7 @@ func (h *HTTP) Watch(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if r.Method == http.MethodPost && (r.Header.Get("Mcp-Session-Id") != "" || r.Header.Get("Mcp-Protocol-Version") != "") {
 			h.mu.Lock()
-			h.path = r.URL.Path
+			h.path, h.host = r.URL.Path, r.Host
 			h.mu.Unlock()
 		}
 		next.ServeHTTP(&watchWriter{ResponseWriter: w, h: h}, r)
@@ -160,10 +169,13 @@ func (h *HTTP) List(ctx context.Context, hints *engine.ToolHints) error {
 	return fmt.Errorf("tools/list at %s: more than %d pages", endpoint, maxPages)
 }
 
-func (h *HTTP) newRequest(ctx context.Context, method, endpoint string, body []byte, session, version string) (*http.Request, error) {
-	req, err := http.NewRequestWithContext(ctx, method, endpoint, bytes.NewReader(body))
+func (h *HTTP) newRequest(ctx context.Context, method string, endpoint target, body []byte, session, version string) (*http.Request, error) {
+	req, err := http.NewRequestWithContext(ctx, method, endpoint.url, bytes.NewReader(body))
 	if err != nil {
 		return nil, err
+	}
+	if endpoint.host != "" {
+		req.Host = endpoint.host
 	}
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("Accept", "application/json, text/event-stream")
@@ -178,7 +190,7 @@ func (h *HTTP) newRequest(ctx context.Context, method, endpoint string, body []b
 }
 
 // call sends one request and returns its result.
-func (h *HTTP) call(ctx context.Context, endpoint, method string, params json.RawMessage, session, version string) (json.RawMessage, http.Header, error) {
+func (h *HTTP) call(ctx context.Context, endpoint target, method string, params json.RawMessage, session, version string) (json.RawMessage, http.Header, error) {
 	id := json.RawMessage(strconv.Quote("idemcp-list-" + strconv.FormatInt(h.seq.Add(1), 10)))
 	body, _ := json.Marshal(map[string]any{"jsonrpc": "2.0", "id": id, "method": method, "params": params})
 	req, err := h.newRequest(ctx, http.MethodPost, endpoint, body, session, version)
@@ -235,7 +247,7 @@ func readResponse(resp *http.Response, id json.RawMessage) ([]byte, error) {
 	}
 }
 
-func (h *HTTP) notify(ctx context.Context, endpoint, method, session, version string) error {
+func (h *HTTP) notify(ctx context.Context, endpoint target, method, session, version string) error {
 	body, _ := json.Marshal(map[string]string{"jsonrpc": "2.0", "method": method})
 	req, err := h.newRequest(ctx, http.MethodPost, endpoint, body, session, version)
 	if err != nil {
@@ -255,7 +267,7 @@ func (h *HTTP) notify(ctx context.Context, endpoint, method, session, version st
 }
 
 // deleteSession ends the lister's session, so the server does not keep it.
-func (h *HTTP) deleteSession(endpoint, session, version string) {
+func (h *HTTP) deleteSession(endpoint target, session, version string) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5e9)
 	defer cancel()
 	req, err := h.newRequest(ctx, http.MethodDelete, endpoint, nil, session, version)

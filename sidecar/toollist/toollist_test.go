@@ -5,6 +5,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"net/url"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -107,5 +108,41 @@ func TestWatchSeesListChangedAcrossWrites(t *testing.T) {
 	})).ServeHTTP(httptest.NewRecorder(), httptest.NewRequest(http.MethodGet, "/mcp", nil))
 	if changed.Load() != before {
 		t.Error("another list's change made the tools be listed again")
+	}
+}
+
+// TestHTTPListsWithTheClientsHost: a server that allows only its public
+// host name (as SDKs do against DNS rebinding, given a list of allowed
+// hosts) refuses the lister until a client's request through the proxy
+// tells it the Host clients use; then the listing works.
+func TestHTTPListsWithTheClientsHost(t *testing.T) {
+	s := mcp.NewServer(&mcp.Implementation{Name: "named", Version: "1"}, nil)
+	mcp.AddTool(s, &mcp.Tool{Name: "c_read", Annotations: &mcp.ToolAnnotations{ReadOnlyHint: true}},
+		func(context.Context, *mcp.CallToolRequest, struct{}) (*mcp.CallToolResult, struct{}, error) {
+			return &mcp.CallToolResult{}, struct{}{}, nil
+		})
+	sdk := mcp.NewStreamableHTTPHandler(func(*http.Request) *mcp.Server { return s }, &mcp.StreamableHTTPOptions{DisableLocalhostProtection: true})
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Host != "mcp.shop.svc" {
+			http.Error(w, "Forbidden: invalid Host header", http.StatusForbidden)
+			return
+		}
+		sdk.ServeHTTP(w, r)
+	}))
+	t.Cleanup(srv.Close)
+	u, _ := url.Parse(srv.URL)
+	h := NewHTTP(http.DefaultClient, u)
+	if err := h.List(t.Context(), engine.NewToolHints()); err == nil || !strings.Contains(err.Error(), "403") {
+		t.Fatalf("listing with the upstream URL's Host: %v, want the server's 403", err)
+	}
+	req := httptest.NewRequest(http.MethodPost, "http://mcp.shop.svc/mcp", strings.NewReader("{}"))
+	req.Header.Set("Mcp-Protocol-Version", "2025-11-25")
+	h.Watch(http.HandlerFunc(func(http.ResponseWriter, *http.Request) {})).ServeHTTP(httptest.NewRecorder(), req)
+	hints := engine.NewToolHints()
+	if err := h.List(t.Context(), hints); err != nil {
+		t.Fatalf("listing with the clients' Host: %v", err)
+	}
+	if !hints.ReadOnly("c_read") {
+		t.Error("c_read was not listed as read-only")
 	}
 }
