@@ -10,9 +10,10 @@ package httpproxy
 // the sidecar connects to the server at the pod's own IP instead: the
 // server sees a request to its pod IP, with the Host its clients use. A
 // server that listens only on loopback refuses that connection, and the
-// sidecar falls back to the loopback address of --upstream. A refused
-// connection carried nothing, so no call can run twice; once a connection
-// is made, its failures are never retried at another address.
+// sidecar falls back to the loopback address of --upstream. A connect that
+// failed (refused, or not answered within earlyDialTimeout) carried
+// nothing, so no call can run twice; once a connection is made, nothing
+// sent on it is ever sent to another address.
 
 import (
 	"context"
