@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
 # Stops the real-node e2e cluster and removes everything up.sh made outside
 # the build cache: its processes (by the PIDs it recorded, and the container
-# shims and containers they started), mounts under /run/idemcp-e2e and the
-# pods' network namespaces, the kubepods cgroups, the network namespace
-# idemcp-e2e, the host sysctls kubelet changed, and /run/idemcp-e2e. Safe to
-# run again, or when up.sh stopped half way.
+# shims and containers they started, and anything left in kubelet's cgroup
+# root idemcp-e2e), mounts under /run/idemcp-e2e (the pods' network
+# namespaces are there too), the cgroup root, the network namespace
+# idemcp-e2e, the host sysctls kubelet changed, the host directories kubelet
+# and CNI made, and /run/idemcp-e2e. Safe to run again, or when up.sh
+# stopped half way.
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 # shellcheck source=env.sh
 source "$here/env.sh"
 t0=$(date +%s)
-[[ -d "$RN_STATE" || -e "/run/netns/$RN_NETNS" ]] || { rn_log "nothing to tear down"; exit 0; }
+rn_lock
+[[ -d "$RN_STATE" || -e "/run/netns/$RN_NETNS" || -n "$(rn_cgroups)" ]] || { rn_log "nothing to tear down"; exit 0; }
 # Act only on a state directory root made (up.sh makes it 0700): what it
 # records is run as root here.
 if [[ -e "$RN_STATE" ]] && { [[ -L "$RN_STATE" ]] || [[ "$(stat -c %u "$RN_STATE")" != 0 ]]; }; then
@@ -19,11 +22,20 @@ if [[ -e "$RN_STATE" ]] && { [[ -L "$RN_STATE" ]] || [[ "$(stat -c %u "$RN_STATE
 fi
 RN_BIN="$(cat "$RN_STATE/bin" 2>/dev/null || true)"
 
+ours() { # pid: runs a binary of the build cache or the state directory
+	local exe
+	exe="$(readlink "/proc/$1/exe" 2>/dev/null)" || return 1
+	case "$exe" in
+	"$RN_STATE"/* | "${RN_BIN:-/nonexistent}"/*) return 0 ;;
+	esac
+	return 1
+}
 stop() { # name: SIGTERM, then SIGKILL after 15 s
 	local f="$RN_STATE/pids/$1.pid" p
 	[[ -f "$f" ]] || return 0
 	p="$(cat "$f")"
-	if kill -0 "$p" 2>/dev/null; then
+	# Only if the PID still runs a binary of this cluster (not a reused PID).
+	if ours "$p" && kill -0 "$p" 2>/dev/null; then
 		kill "$p" 2>/dev/null
 		for ((i = 0; i < 30; i++)); do kill -0 "$p" 2>/dev/null || break; sleep 0.5; done
 		kill -9 "$p" 2>/dev/null
@@ -48,14 +60,10 @@ stop etcd
 # Any process still running a binary of the cache or the state directory
 # (a shim whose containerd died first) was started by this cluster.
 for p in /proc/[0-9]*; do
-	exe="$(readlink "$p/exe" 2>/dev/null)" || continue
-	case "$exe" in
-	"$RN_STATE"/* | "${RN_BIN:-/nonexistent}"/*) kill -9 "${p#/proc/}" 2>/dev/null ;;
-	esac
-	# Container processes run in the cgroups kubelet made.
+	ours "${p#/proc/}" && kill -9 "${p#/proc/}" 2>/dev/null
 done
-for c in /sys/fs/cgroup/*/kubepods; do
-	[[ -d "$c" ]] || continue
+# Container processes run in the cgroups kubelet made under its root.
+for c in $(rn_cgroups); do
 	find "$c" -name cgroup.procs -exec cat {} + 2>/dev/null | xargs -r kill -9 2>/dev/null
 done
 sleep 0.5
@@ -63,22 +71,15 @@ sleep 0.5
 # Mounts: kubelet's volumes, containerd's rootfs and shm, the pods' network
 # namespaces (deepest first).
 for ((i = 0; i < 3; i++)); do
-	mapfile -t mnts < <(awk -v s="$RN_STATE/" '
-		index($2, s) == 1 { print $2 }
-		$2 ~ /^\/run\/netns\/cni-/ { print $2 }
-	' /proc/self/mounts | sort -r)
+	mapfile -t mnts < <(awk -v s="$RN_STATE/" 'index($2, s) == 1 { print $2 }' /proc/self/mounts | sort -r)
 	((${#mnts[@]})) || break
 	for m in "${mnts[@]}"; do umount "$m" 2>/dev/null || umount -l "$m" 2>/dev/null; done
 done
-# The pods' network namespace files this run's containerd made.
-for f in /run/netns/cni-*; do
-	[[ -e "$f" ]] || continue
-	grep -qxF "${f##*/}" "$RN_STATE/netns.before" 2>/dev/null || rm -f "$f"
-done
 ip netns del "$RN_NETNS" 2>/dev/null
-# kubelet's cgroups (the kubepods subtree of every controller).
-for c in /sys/fs/cgroup/*/kubepods; do
-	[[ -d "$c" ]] && find "$c" -depth -type d -exec rmdir {} + 2>/dev/null
+# kubelet's cgroup root, in every hierarchy (deepest first).
+for c in $(rn_cgroups); do
+	find "$c" -depth -type d -exec rmdir {} + 2>/dev/null
+	[[ -d "$c" ]] && rn_log "cgroup $c remains"
 done
 # Host sysctls kubelet changed.
 if [[ -f "$RN_STATE/sysctls.saved" ]]; then
@@ -90,7 +91,7 @@ fi
 # there before.
 # Without the record of what was there before, remove none of them.
 if [[ -f "$RN_STATE/preexisting" ]]; then
-	for p in /var/lib/cni /run/containerd /var/log/containers /var/log/pods /etc/cni; do
+	for p in $RN_HOST_DIRS; do
 		grep -qxF "$p" "$RN_STATE/preexisting" || rm -rf "$p"
 	done
 fi

@@ -18,15 +18,68 @@ RN_IDEMCP_IMAGE="${IMG:-ghcr.io/idemcp/idemcp:v0.1.0}"
 RN_PAUSE_IMAGE=registry.local/pause:e2e
 RN_REDIS_IMAGE=registry.local/redis:e2e
 RN_MCP_IMAGE=registry.local/mcpserver:e2e
+# kubelet's cgroup root: every pod's cgroup is under it, in every hierarchy,
+# so teardown touches only what this cluster made.
+RN_CGROUP_ROOT=idemcp-e2e
+# Host directories kubelet, containerd, runc and CNI make at fixed places
+# (kubelet's device-plugins directory ignores --root-dir): teardown removes
+# those that were not there before.
+RN_HOST_DIRS="/var/lib/kubelet /var/lib/cni /run/containerd /var/log/containers /var/log/pods /etc/cni"
+RN_CACHE="${IDEMCP_REALNODE_CACHE:-${HOME:?}/.local/share/idemcp/realnode}"
 
 rn_log() { printf 'realnode %s: %s\n' "$(date -u +%T)" "$*" >&2; }
 # rn_in runs a command in the cluster's network namespace, in the host's
 # mount namespace (kubelet's volume mounts must be visible to containerd).
 rn_in() { nsenter --net="/run/netns/$RN_NETNS" -- "$@"; }
 rn_kubectl() { rn_in "$RN_BIN/kubectl" --kubeconfig "$RN_KUBECONFIG" "$@"; }
-rn_ctr() { rn_in "$RN_BIN/ctr" --address "$RN_STATE/containerd/containerd.sock" -n k8s.io "$@"; }
+rn_ctr() { rn_in timeout 120 "$RN_BIN/ctr" --address "$RN_STATE/containerd/containerd.sock" -n k8s.io "$@"; }
+# rn_lock makes this run the only one that starts, tests or stops the
+# cluster on this machine (the lock is on the cache directory, so it leaves
+# no file behind); the scripts it calls inherit it.
+rn_lock() {
+	[[ -n "${RN_LOCKED:-}" ]] && return 0
+	mkdir -p "$RN_CACHE"
+	exec 8<"$RN_CACHE"
+	flock -n 8 || { rn_log "another real-node run (make test-e2e, e2e-up or e2e-down) is in progress"; exit 1; }
+	export RN_LOCKED=1
+}
+# rn_cgroups lists the cluster's cgroup root in every mounted hierarchy.
+rn_cgroups() {
+	local d
+	for d in /sys/fs/cgroup/*/"$RN_CGROUP_ROOT" /sys/fs/cgroup/"$RN_CGROUP_ROOT"; do
+		[[ -d "$d" ]] && echo "$d"
+	done
+	return 0
+}
 # The sysctls kubelet, kube-proxy and the CNI plugins may change in the
 # host's namespace (the per-namespace net.* ones change only in ours).
 rn_sysctl_keys() {
-	sysctl -a 2>/dev/null | awk -F' = ' '$1 ~ /^(vm\.overcommit_memory|vm\.panic_on_oom|kernel\.panic|kernel\.keys\.|net\.netfilter\.|net\.nf_conntrack_max|net\.bridge\.|net\.ipv4\.ip_forward$|net\.ipv4\.conf\.(all|default)\.)/ {print $1}'
+	sysctl -a 2>/dev/null | awk -F' = ' '$1 ~ /^(vm\.overcommit_memory|vm\.panic_on_oom|kernel\.panic|kernel\.keys\.|net\.netfilter\.|net\.nf_conntrack_max|net\.bridge\.|net\.ipv4\.ip_forward$|net\.ipv4\.conf\.(all|default)\.)/ && $1 != "net.netfilter.nf_conntrack_count" {print $1}'
+}
+# rn_host_state prints what a run must leave as it found it: the processes
+# running a binary of the cache or the state directory, mounts, network
+# namespaces, the host's nftables tables, the sysctls above, the cgroup root
+# and the entries of the host directories kubelet, containerd, runc and CNI
+# write to. make test-e2e compares it before and after.
+rn_host_state() {
+	local p exe k d
+	echo "# processes of the cluster"
+	for p in /proc/[0-9]*; do
+		exe="$(readlink "$p/exe" 2>/dev/null)" || continue
+		case "$exe" in "$RN_STATE"/* | "$RN_CACHE"/*) echo "${p#/proc/} $exe" ;; esac
+	done
+	echo "# mounts"
+	awk '{ print $2, $3 }' /proc/self/mounts | sort
+	echo "# network namespaces"
+	ls /run/netns 2>/dev/null || true
+	echo "# host nftables tables"
+	nft list tables 2>/dev/null || true
+	echo "# sysctls"
+	for k in $(rn_sysctl_keys); do printf '%s=%s\n' "$k" "$(sysctl -n "$k" 2>/dev/null)"; done
+	echo "# cgroup root"
+	rn_cgroups
+	for d in /etc /run /var/lib /var/log /var/run /opt /usr/local/bin; do
+		echo "# $d"
+		ls -A "$d" 2>/dev/null || true
+	done
 }

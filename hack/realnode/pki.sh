@@ -5,6 +5,8 @@ set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 # shellcheck source=env.sh
 source "$here/env.sh"
+# Keys and kubeconfigs are root's alone.
+umask 077
 cd "$RN_STATE/pki"
 openssl genrsa -out ca.key 2048 2>/dev/null
 openssl req -x509 -new -nodes -key ca.key -subj "/CN=idemcp-e2e-ca" -days 2 -out ca.crt 2>/dev/null

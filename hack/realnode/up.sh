@@ -19,9 +19,10 @@ t0=$(date +%s)
 phase() { rn_log "$1 ($(($(date +%s) - t0))s)"; }
 
 [[ $(id -u) == 0 ]] || { rn_log "needs root (network namespaces, mounts, cgroups)"; exit 1; }
+rn_lock
 RN_BIN="$("$here/build.sh")"
 phase "binaries ready in $RN_BIN"
-if [[ -e "/run/netns/$RN_NETNS" || -e "$RN_STATE" ]]; then
+if [[ -e "/run/netns/$RN_NETNS" || -e "$RN_STATE" || -n "$(rn_cgroups)" ]]; then
 	rn_log "a cluster (or its leftovers) exists: run hack/realnode/down.sh (make e2e-down) first"
 	exit 1
 fi
@@ -31,9 +32,17 @@ mkdir -p "$RN_STATE"/{logs,pids,pki,cni/net.d,cni/ipam,containerd,kubelet,pv/red
 echo "$RN_BIN" >"$RN_STATE/bin"
 # What to restore or remove on teardown.
 for k in $(rn_sysctl_keys); do printf '%s=%s\n' "$k" "$(sysctl -n "$k" 2>/dev/null)"; done >"$RN_STATE/sysctls.saved"
-for p in /var/lib/cni /run/containerd /var/log/containers /var/log/pods /etc/cni; do [[ -e $p ]] && echo "$p"; done >"$RN_STATE/preexisting" || true
-ls /run/netns 2>/dev/null >"$RN_STATE/netns.before" || true
+for p in $RN_HOST_DIRS; do [[ -e $p ]] && echo "$p"; done >"$RN_STATE/preexisting" || true
 [[ -d /run/netns ]] || echo /run/netns >>"$RN_STATE/created-dirs"
+# kubelet's cgroup root, in every hierarchy; a new cpuset needs CPUs and
+# memory nodes before anything can join it.
+awk '$3 == "cgroup" || $3 == "cgroup2" { print $2 }' /proc/self/mounts | while read -r m; do
+	mkdir "$m/$RN_CGROUP_ROOT"
+	if [[ -f "$m/cpuset.cpus" && -f "$m/$RN_CGROUP_ROOT/cpuset.cpus" ]]; then
+		cat "$m/cpuset.cpus" >"$m/$RN_CGROUP_ROOT/cpuset.cpus"
+		cat "$m/cpuset.mems" >"$m/$RN_CGROUP_ROOT/cpuset.mems"
+	fi
+done
 
 # The network namespace. There is no dummy driver here, so the node address
 # goes on the namespace's own loopback.
@@ -60,7 +69,7 @@ phase "certificates"
 start() { # name command...: start a component in the namespace, logging to logs/NAME.log
 	local name="$1"
 	shift
-	setsid nsenter --net="/run/netns/$RN_NETNS" -- "$@" </dev/null >"$RN_STATE/logs/$name.log" 2>&1 &
+	setsid nsenter --net="/run/netns/$RN_NETNS" -- "$@" </dev/null >"$RN_STATE/logs/$name.log" 2>&1 8<&- &
 	echo $! >"$RN_STATE/pids/$name.pid"
 }
 wait_for() { # what tries command...
@@ -114,6 +123,9 @@ state = '$RN_STATE/containerd/state'
       sandbox = '$RN_PAUSE_IMAGE'
   [plugins.'io.containerd.cri.v1.runtime']
     restrict_oom_score_adj = true
+    # The pods' network namespaces are mounted under the state directory,
+    # not in the host's /run/netns.
+    netns_mounts_under_state_dir = true
     [plugins.'io.containerd.cri.v1.runtime'.containerd]
       default_runtime_name = 'runc'
       [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc]
@@ -181,6 +193,7 @@ authentication:
 authorization:
   mode: Webhook
 cgroupDriver: cgroupfs
+cgroupRoot: /$RN_CGROUP_ROOT
 failCgroupV1: false
 failSwapOn: false
 containerRuntimeEndpoint: unix://$RN_STATE/containerd/containerd.sock

@@ -71,6 +71,10 @@ func TestRealNode(t *testing.T) {
 	if os.Getenv("KUBECONFIG") == "" {
 		testdeps.Missing(t, "KUBECONFIG is not set: run make test-e2e (a single-node cluster of its own) or point KUBECONFIG at a cluster with idemcp installed")
 	}
+	if os.Getenv("IDEMCP_E2E_DISRUPTIVE") != "1" {
+		t.Fatal("this suite deletes idemcp's manager pods and scales the manager to 0 for a while (steps ManagerPodDeleted and PlainPodWithoutManager): " +
+			"set IDEMCP_E2E_DISRUPTIVE=1 to run it against the cluster in KUBECONFIG (make test-e2e sets it for the cluster it builds)")
+	}
 	cfg, err := config.GetConfig()
 	if err != nil {
 		t.Fatalf("KUBECONFIG: %v", err)
