@@ -634,15 +634,12 @@ func (p *Proxy) forwardBody(w http.ResponseWriter, r *http.Request, body []byte,
 
 func (p *Proxy) target(u *url.URL) *url.URL {
 	t := *p.opts.Upstream
-	switch {
-	case strings.HasSuffix(t.Path, "/") && strings.HasPrefix(u.Path, "/"):
-		t.Path += u.Path[1:]
-	case !strings.HasSuffix(t.Path, "/") && !strings.HasPrefix(u.Path, "/") && u.Path != "":
-		t.Path += "/" + u.Path
-	default:
-		t.Path += u.Path
+	if t.RawPath != "" || u.RawPath != "" {
+		// An escaped path (a%2Fb) stays escaped: join the escaped forms
+		// too and keep them as the raw path.
+		t.RawPath = joinPath(t.EscapedPath(), u.EscapedPath())
 	}
-	t.RawPath = ""
+	t.Path = joinPath(t.Path, u.Path)
 	switch {
 	case t.RawQuery == "":
 		t.RawQuery = u.RawQuery
@@ -650,6 +647,18 @@ func (p *Proxy) target(u *url.URL) *url.URL {
 		t.RawQuery += "&" + u.RawQuery
 	}
 	return &t
+}
+
+// joinPath appends a request's path to the upstream URL's, with one slash
+// between them.
+func joinPath(base, path string) string {
+	switch {
+	case strings.HasSuffix(base, "/") && strings.HasPrefix(path, "/"):
+		return base + path[1:]
+	case !strings.HasSuffix(base, "/") && !strings.HasPrefix(path, "/") && path != "":
+		return base + "/" + path
+	}
+	return base + path
 }
 
 func (p *Proxy) upstreamError(w http.ResponseWriter, r *http.Request, err error) {

@@ -353,3 +353,48 @@ func TestToolsListIsLearnedFromCompressedEvents(t *testing.T) {
 		time.Sleep(10 * time.Millisecond)
 	}
 }
+
+// TestEscapedPathKeptEscaped: a path with an escaped slash (an endpoint a
+// legacy server announced as /messages/a%2Fb) reaches the MCP server
+// escaped, on the passthrough and the deduplicated path alike, under an
+// upstream URL with a path of its own.
+func TestEscapedPathKeptEscaped(t *testing.T) {
+	var mu sync.Mutex
+	var got []string
+	up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		got = append(got, r.Method+" "+r.RequestURI)
+		mu.Unlock()
+		if r.Method == http.MethodPost {
+			w.Header().Set("Content-Type", "application/json")
+			_, _ = io.WriteString(w, `{"jsonrpc":"2.0","id":1,"result":{"content":[]}}`)
+		}
+	}))
+	t.Cleanup(up.Close)
+	for _, base := range []string{"", "/base", "/base/", "/b%2Fse"} {
+		mu.Lock()
+		got = nil
+		mu.Unlock()
+		proxy := newTestProxy(t, up.URL+base, "")
+		resp, err := http.Get(proxy.URL + "/messages/a%2Fb?sid=1")
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		body := `{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"charge","arguments":{"n":1}}}`
+		req, _ := http.NewRequest(http.MethodPost, proxy.URL+"/messages/a%2Fb?sid=1", strings.NewReader(body))
+		req.Header.Set("Content-Type", "application/json")
+		req.Header.Set("Accept", "application/json, text/event-stream")
+		if resp, err = http.DefaultClient.Do(req); err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		prefix := strings.TrimSuffix(base, "/")
+		want := []string{"GET " + prefix + "/messages/a%2Fb?sid=1", "POST " + prefix + "/messages/a%2Fb?sid=1"}
+		mu.Lock()
+		if strings.Join(got, "\n") != strings.Join(want, "\n") {
+			t.Errorf("upstream %q: the MCP server saw\n%s\nwant\n%s", base, strings.Join(got, "\n"), strings.Join(want, "\n"))
+		}
+		mu.Unlock()
+	}
+}
