@@ -170,7 +170,7 @@ func New(o Options) *Proxy {
 		Rewrite:        p.rewrite,
 		Transport:      o.Transport,
 		FlushInterval:  -1,
-		ModifyResponse: p.tapToolsList,
+		ModifyResponse: p.modifyResponse,
 		ErrorHandler:   p.upstreamError,
 		ErrorLog:       slog.NewLogLogger(o.Logger.Handler(), slog.LevelDebug),
 	}
@@ -209,6 +209,13 @@ func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	// stream starts at once); without full duplex, Go's HTTP/1 server
 	// would close the request body under the proxy and cut the response.
 	_ = http.NewResponseController(w).EnableFullDuplex()
+	if r.ProtoMajor == 1 && r.Body != nil && r.Body != http.NoBody {
+		// HTTP/2 frames each stream's body: nothing of it is left on the
+		// connection. HTTP/1 needs care (body.go).
+		var b *duplexBody
+		r, b = guardBody(r)
+		defer b.end(w)
+	}
 	// 2026-07-28 names the method (and tool) in headers: most requests are
 	// classified without reading the body at all.
 	hdrMethod := r.Header.Get(HeaderMethod)
@@ -685,6 +692,7 @@ func writeError(w http.ResponseWriter, r *http.Request, status int, id json.RawM
 // writeMessage answers one JSON-RPC message as JSON, or as a single SSE
 // event when the client accepts only event streams.
 func writeMessage(w http.ResponseWriter, r *http.Request, status int, msg []byte) {
+	closeIfBodyUnread(r.Context(), status, w.Header())
 	if prefersSSE(r.Header.Get("Accept")) {
 		w.Header().Set("Content-Type", "text/event-stream")
 		w.Header().Set("Cache-Control", "no-cache")

@@ -13,6 +13,12 @@ import (
 // learn readOnlyHint from; a larger list is still forwarded whole.
 const maxToolsListBytes = 8 << 20
 
+// modifyResponse is the passthrough path's ReverseProxy.ModifyResponse.
+func (p *Proxy) modifyResponse(resp *http.Response) error {
+	closeIfBodyUnread(resp.Request.Context(), resp.StatusCode, resp.Header)
+	return p.tapToolsList(resp)
+}
+
 // tapToolsList lets tools/list responses teach the engine each tool's
 // readOnlyHint as they stream by, for defaultMode: Auto.
 func (p *Proxy) tapToolsList(resp *http.Response) error {

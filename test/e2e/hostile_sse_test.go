@@ -83,8 +83,9 @@ func (h *hostileSSE) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	_, _ = io.WriteString(out, ev)
 }
 
-// startSidecarBinary runs the built idemcp sidecar in front of upstream.
-func startSidecarBinary(t *testing.T, upstream string) (string, *exec.Cmd) {
+// startSidecarBinary runs the built idemcp sidecar in front of upstream;
+// its stderr collects while it runs.
+func startSidecarBinary(t *testing.T, upstream string) (string, *exec.Cmd, *lockedBuffer) {
 	t.Helper()
 	bins := buildWrapBins(t)
 	addr := freeport.Loopback(t)
@@ -114,7 +115,7 @@ func startSidecarBinary(t *testing.T, upstream string) (string, *exec.Cmd) {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
-	return "http://" + addr, cmd
+	return "http://" + addr, cmd, &stderr
 }
 
 // rawCall sends one tools/call with id and returns the response's raw id
@@ -196,7 +197,7 @@ func TestHostileSSEFramingRunsOnceAndAnswersEveryID(t *testing.T) {
 			srv := &hostileSSE{nl: v.nl, finalBlank: v.finalBlank, gzip: v.gzip}
 			up := httptest.NewServer(srv)
 			t.Cleanup(up.Close)
-			base, cmd := startSidecarBinary(t, up.URL)
+			base, cmd, _ := startSidecarBinary(t, up.URL)
 
 			// Control: the server alone runs every retry.
 			for _, id := range hostileIDs[:3] {
