@@ -380,7 +380,7 @@ func TestEscapedPathKeptEscaped(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		resp.Body.Close()
+		_ = resp.Body.Close()
 		body := `{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"charge","arguments":{"n":1}}}`
 		req, _ := http.NewRequest(http.MethodPost, proxy.URL+"/messages/a%2Fb?sid=1", strings.NewReader(body))
 		req.Header.Set("Content-Type", "application/json")
@@ -388,7 +388,7 @@ func TestEscapedPathKeptEscaped(t *testing.T) {
 		if resp, err = http.DefaultClient.Do(req); err != nil {
 			t.Fatal(err)
 		}
-		resp.Body.Close()
+		_ = resp.Body.Close()
 		prefix := strings.TrimSuffix(base, "/")
 		want := []string{"GET " + prefix + "/messages/a%2Fb?sid=1", "POST " + prefix + "/messages/a%2Fb?sid=1"}
 		mu.Lock()
