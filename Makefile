@@ -105,7 +105,7 @@ load: ## 1,000 concurrent sessions for 60s through one sidecar process on a real
 	$(GO) test -count=1 -timeout 10m -v -run TestLoad ./test/load/ | grep -v '^=== '
 
 .PHONY: soak
-soak: ## Mixed traffic at a bounded rate through 2 sidecars and a real Redis for SOAK_DURATION (default 1h; SOAK_RATE calls/s, default 20), checking the guarantees and flat memory; records test/soak/results.md.
+soak: ## Mixed traffic at a bounded rate through 2 sidecars and a real Redis for SOAK_DURATION (default 1h; SOAK_RATE calls/s, default 20; SOAK_DROPS, default 0.03), checking the guarantees and flat memory; records test/soak/results.md.
 	cd test/soak && SOAK_RECORD=1 SOAK_DURATION=$(SOAK_DURATION) $(GO) test -tags soak -count=1 -timeout $(SOAK_TIMEOUT) -v -run TestSoak . | grep -v '^=== '
 
 .PHONY: fuzz

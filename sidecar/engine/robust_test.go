@@ -5,9 +5,12 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -169,68 +172,212 @@ func TestGoRecovers(t *testing.T) {
 	}
 }
 
-// renewStore fails the first few renewals and records when each came.
+// renewStore is a memory store whose renewals fail while down is set; it
+// records when each renewal was attempted and what it got.
 type renewStore struct {
 	*store.Memory
-	mu    sync.Mutex
-	fails int
-	at    []time.Time
+	mu   sync.Mutex
+	down bool
+	// failFirst fails that many renewals, then lets them through.
+	failFirst int
+	at        []time.Time
+	errs      []error
 }
 
 func (s *renewStore) Renew(ctx context.Context, key, owner string, lease time.Duration) error {
 	s.mu.Lock()
-	s.at = append(s.at, time.Now())
-	fail := len(s.at) <= s.fails
-	s.mu.Unlock()
-	if fail {
-		return fmt.Errorf("read tcp: i/o timeout: %w", store.ErrUnavailable)
+	defer s.mu.Unlock()
+	var err error
+	if s.down || len(s.at) < s.failFirst {
+		err = fmt.Errorf("read tcp: i/o timeout: %w", store.ErrUnavailable)
+	} else {
+		err = s.Memory.Renew(ctx, key, owner, lease)
 	}
-	return s.Memory.Renew(ctx, key, owner, lease)
+	s.at, s.errs = append(s.at, time.Now()), append(s.errs, err)
+	return err
+}
+
+func (s *renewStore) setDown(down bool) {
+	s.mu.Lock()
+	s.down = down
+	s.mu.Unlock()
+}
+
+// attempts returns when each renewal was attempted, relative to start, and
+// what it got.
+func (s *renewStore) attempts(start time.Time) ([]time.Duration, []error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	at := make([]time.Duration, len(s.at))
+	for i, t := range s.at {
+		at[i] = t.Sub(start)
+	}
+	return at, slices.Clone(s.errs)
 }
 
 // A renewal that fails is retried at once, with backoff, not a whole
 // lease/3 later: three failed renewals in a row must not let the lease run
-// out under a call that still runs, or a retry would run it again.
+// out under a call that still runs, or a retry would run it again. The
+// test runs in a synctest bubble: its clock is fake, so each renewal
+// attempt is counted exactly, not timed.
 func TestFailedRenewalIsRetriedPromptly(t *testing.T) {
-	rs := &renewStore{Memory: store.NewMemory(0), fails: 3}
-	e := New(Options{Policy: mustPolicy(t, "spec: {defaultMode: Deduplicate, leaseDuration: 1s}"), Store: rs})
-	p := plan(t, e, `{"name":"t"}`, alice)
-	var mu sync.Mutex
-	ran := 0
-	fwd := func(context.Context) (Upstream, error) {
-		mu.Lock()
-		ran++
-		mu.Unlock()
-		time.Sleep(1600 * time.Millisecond)
-		return Upstream{Response: []byte(`{"jsonrpc":"2.0","id":1,"result":{}}`), Status: 200}, nil
-	}
-	start := time.Now()
-	first := make(chan error, 1)
-	go func() {
-		_, err := e.Execute(context.Background(), p, fwd)
-		first <- err
-	}()
-	time.Sleep(1150 * time.Millisecond) // past the lease, had it not been renewed
-	out, err := e.Execute(context.Background(), p, fwd)
-	if err != nil || out.Kind != Replayed {
-		t.Fatalf("duplicate: %v %v; want the first call's result replayed", out.Kind, err)
-	}
-	if err := <-first; err != nil {
-		t.Fatal(err)
-	}
-	mu.Lock()
-	defer mu.Unlock()
-	if ran != 1 {
-		t.Fatalf("the tool ran %d times, want 1: the lease ran out while it ran", ran)
-	}
-	rs.mu.Lock()
-	defer rs.mu.Unlock()
-	if len(rs.at) < 4 {
-		t.Fatalf("%d renewals, want at least 4", len(rs.at))
-	}
-	if d := rs.at[3].Sub(start); d > 700*time.Millisecond {
-		t.Errorf("the first successful renewal came %v after the call started, want well within the 1s lease", d)
-	}
+	synctest.Test(t, func(t *testing.T) {
+		const lease = 3 * time.Second
+		every := lease / 3
+		rs := &renewStore{Memory: store.NewMemory(0), failFirst: 3}
+		defer func() { _ = rs.Close() }()
+		e := New(Options{Policy: mustPolicy(t, "spec: {defaultMode: Deduplicate, leaseDuration: 3s}"), Store: rs})
+		p := plan(t, e, `{"name":"t"}`, alice)
+		ran := 0
+		fwd := func(context.Context) (Upstream, error) {
+			ran++
+			time.Sleep(2 * lease) // the call outlasts its lease twice over
+			return Upstream{Response: []byte(`{"jsonrpc":"2.0","id":1,"result":{}}`), Status: 200}, nil
+		}
+		start := time.Now()
+		first := make(chan error, 1)
+		go func() {
+			_, err := e.Execute(context.Background(), p, fwd)
+			first <- err
+		}()
+		time.Sleep(lease + every) // past the lease, had it not been renewed
+		out, err := e.Execute(context.Background(), p, fwd)
+		if err != nil || out.Kind != Replayed {
+			t.Fatalf("duplicate: %v %v; want the first call's result replayed", out.Kind, err)
+		}
+		if err := <-first; err != nil {
+			t.Fatal(err)
+		}
+		if ran != 1 {
+			t.Fatalf("the tool ran %d times, want 1: the lease ran out while it ran", ran)
+		}
+
+		at, errs := rs.attempts(start)
+		t.Logf("renewal attempts at %v", at)
+		var prompt []time.Duration // attempts before the second lease/3 tick
+		for _, a := range at {
+			if a < 2*every {
+				prompt = append(prompt, a)
+			}
+		}
+		// The first tick fails, and so do the two retries after it; the
+		// third retry succeeds, all before the next tick would have come.
+		if len(prompt) != rs.failFirst+1 {
+			t.Fatalf("%d renewal attempts before the second lease/3 tick (%v), want %d: the failed ones retried promptly, then one that succeeds", len(prompt), at, rs.failFirst+1)
+		}
+		if prompt[0] != every {
+			t.Errorf("first renewal at %v, want at lease/3 (%v)", prompt[0], every)
+		}
+		for i := 1; i < len(prompt); i++ {
+			// Backoff: each retry waits twice as long as the one before.
+			if gap, want := prompt[i]-prompt[i-1], renewRetryMin<<(i-1); gap != want {
+				t.Errorf("retry %d came %v after the attempt before it, want %v (backoff from %v, doubling)", i, gap, want, renewRetryMin)
+			}
+		}
+		if errs[rs.failFirst] != nil {
+			t.Errorf("renewal %d: %v, want it to succeed", rs.failFirst+1, errs[rs.failFirst])
+		}
+		// Once renewed, the regular pace is back: one attempt per lease/3.
+		for i := rs.failFirst + 1; i < len(at); i++ {
+			if gap := at[i] - at[i-1]; gap != every {
+				t.Errorf("renewal %d came %v after the one before it, want lease/3 (%v) once a renewal succeeded", i+1, gap, every)
+			}
+		}
+	})
+}
+
+// While the store keeps failing renewals, the owner retries them with
+// backoff only until its lease has run out; from then on it tries at the
+// lease/3 pace (a renewal still succeeds if nobody took the claim over),
+// and it stops for good once the store says another caller took over.
+func TestFailedRenewalsBackOffUntilTheLeaseEnds(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		const lease = 3 * time.Second
+		every := lease / 3
+		rs := &renewStore{Memory: store.NewMemory(0), down: true}
+		defer func() { _ = rs.Close() }()
+		e := New(Options{Policy: mustPolicy(t, "spec: {defaultMode: Deduplicate, leaseDuration: 3s}"), Store: rs})
+		p := plan(t, e, `{"name":"t"}`, alice)
+		finish := make(chan struct{})
+		end := sync.OnceFunc(func() { close(finish) })
+		defer end() // a failed check must not leave the call blocked in the bubble
+		runs := 0
+		fwd := func(context.Context) (Upstream, error) {
+			if runs++; runs == 1 {
+				<-finish // the first call runs until the test ends it
+			}
+			return Upstream{Response: []byte(`{"jsonrpc":"2.0","id":1,"result":{"run":` + strconv.Itoa(runs) + `}}`), Status: 200}, nil
+		}
+		start := time.Now()
+		first := make(chan error, 1)
+		go func() {
+			_, err := e.Execute(context.Background(), p, fwd)
+			first <- err
+		}()
+		time.Sleep(lease + 2*every + every/2)
+		synctest.Wait()
+		at, _ := rs.attempts(start)
+		t.Logf("renewal attempts while the store failed them: %v", at)
+		var within, after []time.Duration
+		for _, a := range at {
+			if a < lease {
+				within = append(within, a)
+			} else {
+				after = append(after, a)
+			}
+		}
+		if len(within) < 3 {
+			t.Fatalf("%d renewal attempts within the lease (%v), want the first one retried more than once", len(within), at)
+		}
+		for i := 2; i < len(within); i++ {
+			if prev, gap := within[i-1]-within[i-2], within[i]-within[i-1]; gap > 2*prev || gap > every {
+				t.Errorf("retry at %v came %v after the one before, which waited %v: want backoff, at most doubling and never a whole lease/3", within[i], gap, prev)
+			}
+		}
+		// The retries close in on the lease's end rather than overshoot it.
+		if last := within[len(within)-1]; lease-last > 2*renewRetryMin {
+			t.Errorf("last retry within the lease at %v, want it within %v of the lease's end (%v)", last, 2*renewRetryMin, lease)
+		}
+		// The last backoff may land just past the lease's end (it waits at
+		// least renewRetryMin); after it, one attempt per lease/3.
+		if len(after) != 3 || after[0] > lease+renewRetryMin {
+			t.Fatalf("renewal attempts in the %v after the lease ran out: %v; want the last retry at most %v past its end, then one per lease/3", 2*every+every/2, after, renewRetryMin)
+		}
+		for i := 1; i < len(after); i++ {
+			if gap := after[i] - after[i-1]; gap != every {
+				t.Errorf("after the lease, renewals %v apart, want lease/3 (%v): no more prompt retries", gap, every)
+			}
+		}
+
+		// The claim has lapsed: a retry takes it over and runs the call
+		// again (onAbandoned: Retry), and the store is back.
+		rs.setDown(false)
+		out, err := e.Execute(context.Background(), p, fwd)
+		if err != nil || out.Kind != Executed || runs != 2 {
+			t.Fatalf("retry after the lease: %v %v, runs %d; want it to take over and run", out.Kind, err, runs)
+		}
+		n := len(after) + len(within)
+		time.Sleep(every)
+		synctest.Wait()
+		at, errs := rs.attempts(start)
+		if len(at) != n+1 || !errors.Is(errs[n], store.ErrNotOwner) {
+			t.Fatalf("after the take-over: attempts %v, errors %v; want one more renewal, refused as not the owner", at[n:], errs[n:])
+		}
+		time.Sleep(3 * every)
+		synctest.Wait()
+		if at, _ := rs.attempts(start); len(at) != n+1 {
+			t.Errorf("renewals went on after the store said the claim was another's: %v", at[n+1:])
+		}
+		end()
+		if err := <-first; err != nil {
+			t.Fatalf("first call: %v", err)
+		}
+		// The first owner stored nothing over the new owner's result.
+		out, err = e.Execute(context.Background(), p, fwd)
+		if err != nil || out.Kind != Replayed || !strings.Contains(string(out.Response), `"run":2`) {
+			t.Fatalf("a later retry: %v %s %v; want the take-over's result replayed", out.Kind, out.Response, err)
+		}
+	})
 }
 
 // An explicit key reused with other arguments is refused whatever became

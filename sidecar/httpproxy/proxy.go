@@ -18,6 +18,7 @@ import (
 	"net/url"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -343,27 +344,48 @@ func (p *Proxy) serveDedup(w http.ResponseWriter, r *http.Request, body []byte, 
 	call := p.cancels.Acquire(cancelKey, struct{}{})
 	defer p.cancels.Release(call)
 
+	// The session's DELETE waits for this call from now, not only once it
+	// is forwarded: a client that gives up and closes its session at once
+	// sends the DELETE while the call may still be claimed. Forwarded then,
+	// the DELETE could reach the server as the call does, and the server
+	// would drop the call's response with the session: nothing stored, and
+	// the retry runs the call again.
+	flight := sync.OnceFunc(p.flights.start(r.Header.Get(HeaderSessionID)))
+	var forwarded atomic.Bool
 	s := newSink(w, p.opts.ClientWriteTimeout)
 	defer s.detach()
 	out, err := p.engine.Execute(r.Context(), plan, func(ctx context.Context) (engine.Upstream, error) {
+		forwarded.Store(true)
 		p.cancels.Hold(call)
-		release := p.flights.start(r.Header.Get(HeaderSessionID))
+		handedOn := false
+		defer func() {
+			if !handedOn {
+				flight()
+				p.cancels.Release(call)
+			}
+		}()
 		up, err := p.forwardDedup(ctx, r, body, msg.ID, s, plan.Policy.LeaseDuration)
 		if up.Later == nil {
-			release()
-			p.cancels.Release(call)
 			return up, err
 		}
 		// While the response is awaited, the session's DELETE waits and
 		// the client's cancel is still not forwarded.
+		handedOn = true
 		later := up.Later
 		up.Later = func(ctx context.Context) (engine.Upstream, error) {
 			defer p.cancels.Release(call)
-			defer release()
+			defer flight()
 			return later(ctx)
 		}
 		return up, err
 	})
+	if !forwarded.Load() && !errors.Is(err, engine.ErrDetached) {
+		// Replayed, refused, or given up before it was claimed: nothing
+		// of this call will reach the server. (ErrDetached: the call was
+		// claimed and its forward, which may not have begun yet, lets the
+		// DELETE go when it ends.)
+		flight()
+	}
 	var ee *engine.Error
 	switch {
 	case err == nil && out.Kind == engine.Replayed:

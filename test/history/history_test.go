@@ -105,3 +105,77 @@ func TestClassify(t *testing.T) {
 		})
 	}
 }
+
+func TestExtras(t *testing.T) {
+	t0 := time.Date(2026, 12, 1, 4, 0, 0, 0, time.UTC)
+	at := func(ms int) time.Time { return t0.Add(time.Duration(ms) * time.Millisecond) }
+	run := func(from, to, sidecar int, lost string) Run {
+		return Run{At: at(from), Done: at(to), Sidecar: sidecar, Lost: lost}
+	}
+	for _, tc := range []struct {
+		name      string
+		h         History
+		runs      []Run
+		takeOvers []time.Time
+		want      ExtraKind
+	}{{
+		name: "the first run's response was lost: the retry's run is allowed",
+		runs: []Run{run(0, 100, 0, "the session was deleted while it ran"), run(500, 600, 1, "")},
+		want: AfterLostResponse,
+	}, {
+		name: "the first run's response reached the sidecar, nothing else happened: a defect",
+		runs: []Run{run(0, 100, 0, ""), run(500, 600, 1, "")},
+		want: AfterDelivered,
+	}, {
+		name: "two runs at once, no take-over: a defect",
+		runs: []Run{run(0, 300, 0, ""), run(100, 200, 1, "")},
+		want: Concurrent,
+	}, {
+		name:      "two runs at once after a logged take-over",
+		runs:      []Run{run(0, 3000, 0, ""), run(1200, 1300, 1, "")},
+		takeOvers: []time.Time{at(1190)},
+		want:      AfterTakeOver,
+	}, {
+		name:      "a logged take-over after the delivered run",
+		runs:      []Run{run(0, 100, 0, ""), run(2000, 2100, 1, "")},
+		takeOvers: []time.Time{at(1990)},
+		want:      AfterTakeOver,
+	}, {
+		name:      "a take-over logged before the first run does not explain the second",
+		runs:      []Run{run(0, 100, 0, ""), run(2000, 2100, 1, "")},
+		takeOvers: []time.Time{at(-10)},
+		want:      AfterDelivered,
+	}, {
+		name: "the owner's sidecar could not reach the store just after answering",
+		h:    History{Retry: true, Lapses: []Window{{From: at(150), To: at(1500), Sidecar: 0}}},
+		runs: []Run{run(0, 100, 0, ""), run(2000, 2100, 1, "")},
+		want: AfterTakeOver,
+	}, {
+		name: "the owner's sidecar was killed before storing",
+		h:    History{Retry: true, Kills: []Window{{From: at(101), To: at(600), Sidecar: 0}}},
+		runs: []Run{run(0, 100, 0, ""), run(2000, 2100, 1, "")},
+		want: AfterSidecarDied,
+	}, {
+		name: "a lost response, then a delivered one, then a third run: a defect",
+		runs: []Run{run(0, 100, 0, "lost"), run(500, 600, 1, ""), run(900, 1000, 1, "")},
+		want: AfterDelivered,
+	}} {
+		t.Run(tc.name, func(t *testing.T) {
+			tc.h.Lease = time.Second
+			// Out of order on purpose: Extras sorts by dispatch.
+			runs := append([]Run{tc.runs[len(tc.runs)-1]}, tc.runs[:len(tc.runs)-1]...)
+			got := tc.h.Extras(map[string][]Run{"c": runs, "once": {run(0, 10, 0, "")}}, map[string][]time.Time{"c": tc.takeOvers})
+			if len(got) != len(tc.runs)-1 {
+				t.Fatalf("%d extras, want %d: %+v", len(got), len(tc.runs)-1, got)
+			}
+			last := got[len(got)-1]
+			if last.Call != "c" || last.Kind != tc.want || !last.Run.At.Equal(tc.runs[len(tc.runs)-1].At) {
+				t.Errorf("last extra = %+v, want %q for the run at %v", last, tc.want, tc.runs[len(tc.runs)-1].At)
+			}
+			if last.Kind.Defect() != (tc.want == Concurrent || tc.want == AfterDelivered) {
+				t.Errorf("Defect() = %v for %q", last.Kind.Defect(), last.Kind)
+			}
+			t.Logf("%s: %s", last.Kind, last.Why)
+		})
+	}
+}

@@ -3,15 +3,18 @@
 // Package soak_test runs mixed traffic at a bounded rate through two idemcp
 // sidecar processes sharing a real Redis, for an hour by default, and
 // checks the guarantees and the sidecars' resources at the end. It is not
-// part of make test: `make soak` runs it (SOAK_DURATION, SOAK_RATE) and
+// part of make test: `make soak` runs it (SOAK_DURATION, SOAK_RATE,
+// SOAK_DROPS) and
 // records the result in results.md.
 package soak_test
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"maps"
 	"math/rand/v2"
 	"net/http"
@@ -29,6 +32,8 @@ import (
 	"github.com/modelcontextprotocol/go-sdk/jsonrpc"
 	"github.com/modelcontextprotocol/go-sdk/mcp"
 
+	"github.com/idemcp/idemcp/internal/policy"
+	"github.com/idemcp/idemcp/sidecar/engine"
 	"github.com/idemcp/idemcp/sidecar/store/redis/redistest"
 	"github.com/idemcp/idemcp/test/history"
 	"github.com/idemcp/idemcp/test/mcpserver"
@@ -59,6 +64,19 @@ func envDuration(t *testing.T, name string, def time.Duration) time.Duration {
 	return d
 }
 
+// envFraction reads a probability.
+func envFraction(t *testing.T, name string, def float64) float64 {
+	v := os.Getenv(name)
+	if v == "" {
+		return def
+	}
+	f, err := strconv.ParseFloat(v, 64)
+	if err != nil || f < 0 || f > 1 {
+		t.Fatalf("%s=%q: want a probability between 0 and 1", name, v)
+	}
+	return f
+}
+
 func envInt(t *testing.T, name string, def int) int {
 	v := os.Getenv(name)
 	if v == "" {
@@ -79,10 +97,18 @@ type sample struct {
 }
 
 type soak struct {
-	t     *testing.T
-	sc    []*procs.Sidecar
-	mu    sync.Mutex
-	execs map[string][]time.Time // card -> when each execution was dispatched
+	t  *testing.T
+	sc []*procs.Sidecar
+	// keys derives each deduplicated call's store key as the sidecars do,
+	// to tie the take-overs they log to logical calls.
+	keys *engine.Engine
+	mu   sync.Mutex
+	runs map[string][]*run // card -> the executions that took effect
+	// exchanges: every tools/call request the server got, by the number
+	// the upstream recorder gave it.
+	exchanges map[int]*exchange
+	deleted   map[string]time.Time // session -> when its DELETE reached the server
+	keyCall   map[string]string    // store key -> card
 	// completions: the answers each deduplicated call got.
 	completions map[string][]history.Completion
 	passthrough map[string]int // passthrough call -> successful attempts
@@ -90,6 +116,33 @@ type soak struct {
 	kinds       map[string]int
 	drops       atomic.Int64
 }
+
+// run is one execution of a tool that took effect, as the server saw it.
+type run struct {
+	exchange int // the request that carried it (headerExchange)
+	at, done time.Time
+	// cancelled: the call's context was done when the tool returned (a
+	// forwarded cancel, or its session closing).
+	cancelled bool
+}
+
+// exchange is one tools/call request the server got from a sidecar, and
+// what became of its response.
+type exchange struct {
+	sidecar    int
+	session    string
+	id         json.RawMessage
+	start, end time.Time
+	// responded: the server wrote a JSON-RPC response to the call.
+	responded bool
+	writeErr  error
+	// hungUp: the sidecar's request was gone when the server returned.
+	hungUp bool
+}
+
+// headerExchange tags a request with its exchange number on its way into
+// the MCP server, so the tool's run can be tied to its HTTP exchange.
+const headerExchange = "X-Soak-Exchange"
 
 func (s *soak) code(c string) {
 	s.mu.Lock()
@@ -100,24 +153,34 @@ func (s *soak) code(c string) {
 func TestSoak(t *testing.T) {
 	duration := envDuration(t, "SOAK_DURATION", time.Hour)
 	rate := envInt(t, "SOAK_RATE", 20)
+	drops := envFraction(t, "SOAK_DROPS", 0.03)
 	every := envDuration(t, "SOAK_SAMPLE", max(duration/60, 5*time.Second))
 	warmup := max(duration/10, every)
-	t.Logf("soak: %v at %d logical calls/s, %d agents, %d sidecars, resources sampled every %v after a %v warm-up", duration, rate, agents, sidecars, every, warmup)
+	t.Logf("soak: %v at %d logical calls/s, %d agents, %d sidecars, %.0f%% of explicit-key calls dropped once, resources sampled every %v after a %v warm-up", duration, rate, agents, sidecars, 100*drops, every, warmup)
 
-	s := &soak{t: t, execs: map[string][]time.Time{}, completions: map[string][]history.Completion{}, passthrough: map[string]int{}, codes: map[string]int{}, kinds: map[string]int{}}
+	s := &soak{t: t, runs: map[string][]*run{}, exchanges: map[int]*exchange{}, deleted: map[string]time.Time{}, keyCall: map[string]string{},
+		completions: map[string][]history.Completion{}, passthrough: map[string]int{}, codes: map[string]int{}, kinds: map[string]int{}}
 	redis := redistest.Start(t, "--appendonly", "yes", "--appendfsync", "everysec", "--maxmemory-policy", "noeviction")
 	srv := mcpserver.New()
 	srv.MCP.AddReceivingMiddleware(s.countExecutions)
-	upstream := httptest.NewServer(srv.Handler(false))
-	defer upstream.Close()
-	policy := filepath.Join(t.TempDir(), "policy.yaml")
+	handler := srv.Handler(false)
+	policyFile := filepath.Join(t.TempDir(), "policy.yaml")
 	body := fmt.Sprintf("spec: {keyScope: Principal, ttl: 1h, leaseDuration: %v, store: {type: Redis, redis: {external: {addresses: [%q]}}}, tools: [{name: refund, mode: Passthrough}]}\n", lease, redis.Addr)
-	if err := os.WriteFile(policy, []byte(body), 0o600); err != nil {
+	if err := os.WriteFile(policyFile, []byte(body), 0o600); err != nil {
 		t.Fatal(err)
 	}
+	pol, err := policy.LoadFile(policyFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.keys = engine.New(engine.Options{Policy: pol})
 	bin := procs.Binary(t)
-	for range sidecars {
-		s.sc = append(s.sc, procs.StartSidecar(t, bin, nil, "--upstream", upstream.URL, "--policy-file", policy, "--redis-key-prefix", "idemcp:soak:", "--log-level", "warn"))
+	// One listener per sidecar in front of the one MCP server, so that
+	// each request's sidecar is known.
+	for i := range sidecars {
+		upstream := httptest.NewServer(s.recordExchanges(i, handler))
+		defer upstream.Close()
+		s.sc = append(s.sc, procs.StartSidecar(t, bin, nil, "--upstream", upstream.URL, "--policy-file", policyFile, "--redis-key-prefix", "idemcp:soak:", "--log-level", "warn"))
 	}
 
 	start := time.Now()
@@ -166,7 +229,7 @@ func TestSoak(t *testing.T) {
 	var logical atomic.Int64
 	for a := range agents {
 		wg.Go(func() {
-			ag := &agent{s: s, n: a, rnd: rand.New(rand.NewPCG(uint64(a), 17)), sessions: make([]*mcp.ClientSession, sidecars)}
+			ag := &agent{s: s, n: a, drops: drops, rnd: rand.New(rand.NewPCG(uint64(a), 17)), sessions: make([]*mcp.ClientSession, sidecars)}
 			defer ag.close()
 			for range tokens {
 				ag.logicalCall(int(logical.Add(1)))
@@ -179,36 +242,77 @@ func TestSoak(t *testing.T) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	h := &history.History{Lease: lease, Retry: true, Executions: map[string][]time.Time{}, Completions: s.completions, Logf: t.Logf}
-	passthroughMissing, executions := 0, 0
-	for call, ex := range s.execs {
-		executions += len(ex)
+	passthroughMissing, executions, neverRan := 0, 0, 0
+	runs := map[string][]history.Run{}
+	for call, rs := range s.runs {
+		executions += len(rs)
 		if kind, _, _ := strings.Cut(call, "/"); kind == "passthrough" {
-			if len(ex) != s.passthrough[call] {
+			if len(rs) != s.passthrough[call] {
 				passthroughMissing++
 			}
 			continue
 		}
-		h.Executions[call] = ex
+		for _, r := range rs {
+			h.Executions[call] = append(h.Executions[call], r.at)
+			runs[call] = append(runs[call], s.historyRun(r))
+		}
 	}
 	for call, n := range s.passthrough {
-		if _, ran := s.execs[call]; !ran && n > 0 {
+		if _, ran := s.runs[call]; !ran && n > 0 {
 			passthroughMissing++
+		}
+	}
+	for _, call := range s.keyCall {
+		if _, ran := s.runs[call]; !ran {
+			neverRan++
 		}
 	}
 	// The faults here are not injected: a starved machine makes Redis
 	// answer late, or a sidecar miss its renewals. A sidecar that could
 	// not reach the store logs it; each such line marks a lease before it
 	// in which that sidecar's claims may have lapsed.
-	takeOvers := 0
+	takeOvers, takeOversByCall, unmatched := 0, map[string][]time.Time{}, 0
 	for i, sc := range s.sc {
 		trouble, took := storeTrouble(t, sc.Log())
-		takeOvers += took
+		takeOvers += len(took)
+		for _, to := range took {
+			if call, ok := s.keyCall[to.key]; ok {
+				takeOversByCall[call] = append(takeOversByCall[call], to.at)
+			} else {
+				unmatched++
+			}
+		}
 		for _, at := range trouble {
 			w := history.Window{From: at.Add(-lease), To: at, Sidecar: i}
 			h.Lapses = append(h.Lapses, w)
 			h.Outages = append(h.Outages, w)
 		}
 	}
+	if unmatched != 0 {
+		t.Errorf("%d take-overs the sidecars logged match no logical call's key", unmatched)
+	}
+	for call, rs := range s.runs {
+		for _, r := range rs {
+			if _, ok := s.exchanges[r.exchange]; !ok {
+				t.Errorf("%s ran at %s, but no request to the server was recorded for it", call, r.at.Format("15:04:05.000"))
+			}
+		}
+	}
+	extras := h.Extras(runs, takeOversByCall)
+	for _, x := range extras {
+		t.Logf("extra execution of %s at %s through sidecar %d: %s; %s", x.Call, x.Run.At.Format("15:04:05.000"), x.Run.Sidecar, x.Kind, x.Why)
+	}
+	notStored := map[string]float64{}
+	takenOverMetric := 0.0
+	for _, sc := range s.sc {
+		for _, reason := range []string{engine.ReasonTransport, engine.ReasonHTTPStatus, engine.ReasonRPCError, engine.ReasonToolError, engine.ReasonOutcomeUnknown, engine.ReasonTooLarge} {
+			n, _ := sc.Metric(`idemcp_results_not_stored_total{reason="` + reason + `"}`)
+			notStored[reason] += n
+		}
+		n, _ := sc.Metric("idemcp_claims_taken_over_total")
+		takenOverMetric += n
+	}
+	serverCount := srv.Counts.Get("charge_card") + srv.Counts.Get("refund") + srv.Counts.Get("get_balance")
 	v := h.Classify()
 	other := 0
 	for k, n := range s.codes {
@@ -217,8 +321,10 @@ func TestSoak(t *testing.T) {
 		}
 	}
 	res := &result{
-		duration: elapsed, rate: rate, logical: int(logical.Load()), kinds: maps.Clone(s.kinds), codes: maps.Clone(s.codes),
-		executions: executions, duplicates: v.Duplicates, mismatches: v.Mismatches, takenOver: v.TakenOver, takeOversLogged: takeOvers,
+		duration: elapsed, rate: rate, dropRate: drops, logical: int(logical.Load()), kinds: maps.Clone(s.kinds), codes: maps.Clone(s.codes),
+		executions: executions, serverCount: serverCount, neverRan: neverRan, extras: extras,
+		cancelledUpstream: srv.Counts.Get(mcpserver.Cancelled), notStored: notStored, takenOverMetric: takenOverMetric,
+		duplicates: v.Duplicates, mismatches: v.Mismatches, takenOver: v.TakenOver, takeOversLogged: takeOvers,
 		passthroughMissing: passthroughMissing, drops: int(s.drops.Load()),
 		samples: samples, warmup: warmup,
 	}
@@ -233,6 +339,11 @@ func TestSoak(t *testing.T) {
 type result struct {
 	duration                                   time.Duration
 	rate, logical, executions                  int
+	dropRate                                   float64
+	serverCount, neverRan, cancelledUpstream   int
+	extras                                     []history.Extra
+	notStored                                  map[string]float64
+	takenOverMetric                            float64
 	duplicates, mismatches, passthroughMissing int
 	takenOver, takeOversLogged                 int
 	drops                                      int
@@ -254,6 +365,14 @@ func (r *result) check(t *testing.T, otherErrors int) {
 	}
 	if r.duplicates != 0 {
 		fail("%d executions of deduplicated calls ran while their result was stored", r.duplicates)
+	}
+	if r.serverCount != r.executions {
+		fail("the server counted %d executions, the harness %d", r.serverCount, r.executions)
+	}
+	for _, x := range r.extras {
+		if x.Kind.Defect() {
+			fail("%s at %s through sidecar %d %s: %s", x.Call, x.Run.At.Format("15:04:05.000"), x.Run.Sidecar, x.Kind, x.Why)
+		}
 	}
 	if r.mismatches != 0 {
 		fail("%d deduplicated calls were answered differently on retry", r.mismatches)
@@ -305,13 +424,30 @@ func maxSample(a, b sample) sample {
 
 func (r *result) String() string {
 	var b strings.Builder
-	fmt.Fprintf(&b, "| soak | %v at %d logical calls/s, %d agents, %d sidecars, one Redis |\n| --- | --- |\n", r.duration.Round(time.Second), r.rate, agents, sidecars)
+	fmt.Fprintf(&b, "| soak | %v at %d logical calls/s, %d agents, %d sidecars, one Redis, %.0f%% of explicit-key calls dropped once |\n| --- | --- |\n", r.duration.Round(time.Second), r.rate, agents, sidecars, 100*r.dropRate)
 	row := func(k string, v any) { fmt.Fprintf(&b, "| %s | %v |\n", k, v) }
 	row("logical calls", r.logical)
 	for _, k := range slices.Sorted(maps.Keys(r.kinds)) {
 		row("logical calls: "+k, r.kinds[k])
 	}
 	row("executions", r.executions)
+	row("executions the server counted (must equal executions)", r.serverCount)
+	byKind := map[history.ExtraKind]int{}
+	for _, x := range r.extras {
+		byKind[x.Kind]++
+	}
+	row("executions beyond one per deduplicated call", len(r.extras))
+	for _, k := range slices.Sorted(maps.Keys(byKind)) {
+		row("beyond one: "+string(k), byKind[k])
+	}
+	row("deduplicated calls that never ran", r.neverRan)
+	row("calls cancelled upstream before they took effect", r.cancelledUpstream)
+	for _, k := range slices.Sorted(maps.Keys(r.notStored)) {
+		if r.notStored[k] != 0 {
+			row("sidecars: results not stored, "+k, r.notStored[k])
+		}
+	}
+	row("sidecars: claims taken over (idemcp_claims_taken_over_total)", r.takenOverMetric)
 	row("duplicates (must be 0)", r.duplicates)
 	row("retries answered differently (must be 0)", r.mismatches)
 	row("re-run after the owner's claim lapsed while it could not reach Redis (onAbandoned: Retry)", r.takenOver)
@@ -324,6 +460,13 @@ func (r *result) String() string {
 	for _, g := range r.growth {
 		row("resources after warm-up -> end (max of samples)", g)
 	}
+	for i, x := range r.extras {
+		if i == 20 {
+			row("extra executions not listed", len(r.extras)-i)
+			break
+		}
+		row(fmt.Sprintf("extra: %s at %s via sidecar %d", x.Call, x.Run.At.UTC().Format("15:04:05.000"), x.Run.Sidecar), string(x.Kind)+": "+x.Why)
+	}
 	if len(r.failures) == 0 {
 		row("result", "passed")
 	} else {
@@ -332,41 +475,181 @@ func (r *result) String() string {
 	return b.String()
 }
 
+// notesHeading starts the part of results.md that a run keeps.
+const notesHeading = "## Notes"
+
 // write records the run in results.md when SOAK_RECORD=1 (make soak).
 func (r *result) write(t *testing.T) {
 	if os.Getenv("SOAK_RECORD") != "1" {
 		return
 	}
 	var b strings.Builder
-	fmt.Fprintf(&b, "# Soak run results\n\nWritten by `make soak` (SOAK_DURATION, default 1h; SOAK_RATE logical calls/s, default 20): mixed traffic (explicit-key calls retried, some concurrently and some after a dropped connection; derived-key calls retried; passthrough calls) through %d sidecar processes sharing a real Redis. The last run, finished %s:\n\n", sidecars, time.Now().UTC().Format("2006-01-02 15:04 UTC"))
+	fmt.Fprintf(&b, "# Soak run results\n\nWritten by `make soak` (SOAK_DURATION, default 1h; SOAK_RATE logical calls/s, default 20; SOAK_DROPS, the share of explicit-key calls whose first attempt gives up mid-call, default 0.03): mixed traffic (explicit-key calls retried, some concurrently and some after a dropped connection; derived-key calls retried; passthrough calls) through %d sidecar processes sharing a real Redis. The last run, finished %s:\n\n", sidecars, time.Now().UTC().Format("2006-01-02 15:04 UTC"))
 	b.WriteString(r.String())
+	// Notes written by hand (diagnoses of earlier runs) are kept.
+	if old, err := os.ReadFile("results.md"); err == nil {
+		if i := strings.Index(string(old), "\n"+notesHeading); i >= 0 {
+			b.WriteString(string(old[i:]))
+		}
+	}
 	if err := os.WriteFile("results.md", []byte(b.String()), 0o644); err != nil {
 		t.Errorf("writing results.md: %v", err)
 	}
 }
 
-// countExecutions counts the calls that took effect, by tool and card.
+// countExecutions records every tool call that took effect: the tool
+// answered a result, not an error (charge_card's only error is a cancel
+// before it charges). A call cancelled just after it took effect counts.
 func (s *soak) countExecutions(next mcp.MethodHandler) mcp.MethodHandler {
 	return func(ctx context.Context, method string, req mcp.Request) (mcp.Result, error) {
 		dispatched := time.Now()
 		res, err := next(ctx, method, req)
 		ctr, ok := req.(*mcp.CallToolRequest)
-		if method != "tools/call" || !ok || err != nil || ctx.Err() != nil {
+		ctres, _ := res.(*mcp.CallToolResult)
+		if method != "tools/call" || !ok || err != nil || ctres == nil || ctres.IsError {
 			return res, err
 		}
 		var args mcpserver.ChargeArgs
 		if json.Unmarshal(ctr.Params.Arguments, &args) == nil {
+			r := &run{at: dispatched, done: time.Now(), cancelled: ctx.Err() != nil, exchange: -1}
+			if ctr.Extra != nil {
+				if n, err := strconv.Atoi(ctr.Extra.Header.Get(headerExchange)); err == nil {
+					r.exchange = n
+				}
+			}
 			s.mu.Lock()
-			s.execs[args.Card] = append(s.execs[args.Card], dispatched)
+			s.runs[args.Card] = append(s.runs[args.Card], r)
 			s.mu.Unlock()
 		}
 		return res, err
 	}
 }
 
+// recordExchanges sits between sidecar i and the MCP server: it numbers
+// each tools/call request, notes each session's DELETE, and records
+// whether the server's response to the call was written back.
+func (s *soak) recordExchanges(i int, next http.Handler) http.Handler {
+	var seq atomic.Int64
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		session := r.Header.Get("Mcp-Session-Id")
+		if r.Method == http.MethodDelete {
+			s.mu.Lock()
+			if _, ok := s.deleted[session]; !ok {
+				s.deleted[session] = time.Now()
+			}
+			s.mu.Unlock()
+		}
+		if r.Method != http.MethodPost {
+			next.ServeHTTP(w, r)
+			return
+		}
+		body, err := io.ReadAll(r.Body)
+		if err != nil {
+			http.Error(w, err.Error(), http.StatusBadRequest)
+			return
+		}
+		r.Body = io.NopCloser(bytes.NewReader(body))
+		var msg struct {
+			ID     json.RawMessage `json:"id"`
+			Method string          `json:"method"`
+		}
+		if json.Unmarshal(body, &msg) != nil || msg.Method != "tools/call" || len(msg.ID) == 0 {
+			next.ServeHTTP(w, r)
+			return
+		}
+		n := int(seq.Add(1))*sidecars + i
+		x := &exchange{sidecar: i, session: session, id: msg.ID, start: time.Now()}
+		r.Header.Set(headerExchange, strconv.Itoa(n))
+		tw := &teeWriter{ResponseWriter: w}
+		next.ServeHTTP(tw, r)
+		x.end, x.hungUp, x.writeErr = time.Now(), r.Context().Err() != nil, tw.err
+		x.responded = respondsTo(tw.buf.Bytes(), msg.ID)
+		s.mu.Lock()
+		s.exchanges[n] = x
+		s.mu.Unlock()
+	})
+}
+
+// teeWriter keeps a copy of a response and its first write error.
+type teeWriter struct {
+	http.ResponseWriter
+	buf bytes.Buffer
+	err error
+}
+
+func (w *teeWriter) Write(b []byte) (int, error) {
+	w.buf.Write(b)
+	n, err := w.ResponseWriter.Write(b)
+	if err != nil && w.err == nil {
+		w.err = err
+	}
+	return n, err
+}
+
+func (w *teeWriter) Flush() {
+	if err := http.NewResponseController(w.ResponseWriter).Flush(); err != nil && w.err == nil {
+		w.err = err
+	}
+}
+
+func (w *teeWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }
+
+// respondsTo reports whether a response body (JSON or an event stream)
+// holds a JSON-RPC response to id.
+func respondsTo(body []byte, id json.RawMessage) bool {
+	is := func(b []byte) bool {
+		var m struct {
+			ID     json.RawMessage `json:"id"`
+			Result json.RawMessage `json:"result"`
+			Error  json.RawMessage `json:"error"`
+		}
+		return json.Unmarshal(b, &m) == nil && bytes.Equal(m.ID, id) && (m.Result != nil || m.Error != nil)
+	}
+	if is(body) {
+		return true
+	}
+	for line := range bytes.Lines(body) {
+		if data, ok := bytes.CutPrefix(bytes.TrimRight(line, "\r\n"), []byte("data:")); ok && is(bytes.TrimSpace(data)) {
+			return true
+		}
+	}
+	return false
+}
+
+// historyRun says what became of a run's response. Call with s.mu held.
+func (s *soak) historyRun(r *run) history.Run {
+	hr := history.Run{At: r.at, Done: r.done, Sidecar: -1}
+	x, ok := s.exchanges[r.exchange]
+	if !ok {
+		hr.Lost = "no request to the server was recorded for it"
+		return hr
+	}
+	hr.Sidecar = x.sidecar
+	if x.responded && x.writeErr == nil {
+		return hr // delivered
+	}
+	var why []string
+	if r.cancelled {
+		why = append(why, "its context was cancelled just after it took effect")
+	}
+	if at, ok := s.deleted[x.session]; ok && at.Before(x.end) {
+		why = append(why, fmt.Sprintf("its session's DELETE reached the server at %s, %v after the request", at.Format("15:04:05.000"), at.Sub(x.start).Round(time.Microsecond)))
+	}
+	switch {
+	case x.writeErr != nil:
+		why = append(why, fmt.Sprintf("writing the response failed: %v", x.writeErr))
+	case x.hungUp:
+		why = append(why, "the sidecar's request was gone when the server returned")
+	}
+	why = append(why, "the server's response did not reach the sidecar")
+	hr.Lost = strings.Join(why, "; ")
+	return hr
+}
+
 type agent struct {
 	s        *soak
 	n        int
+	drops    float64 // how often an explicit-key call's first attempt gives up mid-call
 	rnd      *rand.Rand
 	sessions []*mcp.ClientSession
 	calls    int
@@ -406,7 +689,8 @@ func (a *agent) keyed(n int) {
 	args := mcpserver.ChargeArgs{Card: call, Amount: 1, DelayMS: a.rnd.IntN(100)}
 	meta := mcp.Meta{"idempotency-key": fmt.Sprintf("soak-%d", n)}
 	a.kind("explicit key, retried")
-	if a.rnd.Float64() < 0.03 {
+	a.key(call, "charge_card", args, meta)
+	if a.rnd.Float64() < a.drops {
 		a.s.drops.Add(1)
 		ctx, cancel := context.WithTimeout(context.Background(), time.Duration(a.rnd.IntN(80))*time.Millisecond)
 		a.attempt(ctx, call, "charge_card", args, meta, true)
@@ -429,6 +713,7 @@ func (a *agent) derived(n int) {
 	call := fmt.Sprintf("derived/%d", n)
 	args := mcpserver.ChargeArgs{Card: call, Amount: 2}
 	a.kind("derived key, retried")
+	a.key(call, "charge_card", args, nil)
 	for range 2 {
 		a.attemptOn(a.rnd.IntN(sidecars), call, "charge_card", args, nil)
 	}
@@ -445,6 +730,31 @@ func (a *agent) passthrough(n int) {
 	a.kind("passthrough (" + tool + ")")
 	a.attemptOn(a.rnd.IntN(sidecars), call, tool, mcpserver.ChargeArgs{Card: call, Amount: 3}, nil)
 }
+
+// key notes the store key the sidecars derive for a deduplicated call.
+func (a *agent) key(call, tool string, args mcpserver.ChargeArgs, meta mcp.Meta) {
+	m := map[string]any{"name": tool, "arguments": args}
+	if meta != nil {
+		m["_meta"] = meta
+	}
+	params, err := json.Marshal(m)
+	if err != nil {
+		a.s.t.Fatal(err)
+	}
+	tc, err := engine.ParseToolCall(params)
+	if err != nil {
+		a.s.t.Fatal(err)
+	}
+	p, err := a.s.keys.Plan(tc, engine.Caller{Principal: a.principal()})
+	if err != nil || p == nil {
+		a.s.t.Fatalf("%s is not deduplicated: %v", call, err)
+	}
+	a.s.mu.Lock()
+	a.s.keyCall[p.Key] = call
+	a.s.mu.Unlock()
+}
+
+func (a *agent) principal() string { return fmt.Sprintf("Bearer soak-%d", a.n) }
 
 func (a *agent) kind(k string) {
 	a.s.mu.Lock()
@@ -515,7 +825,7 @@ func (a *agent) session(ctx context.Context, i int) (*mcp.ClientSession, error) 
 	client := mcp.NewClient(&mcp.Implementation{Name: "soak-agent", Version: "1.0.0"}, nil)
 	cs, err := client.Connect(ctx, &mcp.StreamableClientTransport{
 		Endpoint:   "http://" + a.s.sc[i].Addr,
-		HTTPClient: &http.Client{Transport: &principal{name: fmt.Sprintf("Bearer soak-%d", a.n)}},
+		HTTPClient: &http.Client{Transport: &principal{name: a.principal()}},
 		MaxRetries: -1,
 	}, nil)
 	if err != nil {
@@ -545,24 +855,31 @@ var troubleMessages = []string{
 	"Store unavailable",
 }
 
+// takeOver is a take-over a sidecar logged.
+type takeOver struct {
+	at  time.Time
+	key string
+}
+
 // storeTrouble reads a sidecar's JSON log: when it could not reach the
-// store, and how many claims it took over.
-func storeTrouble(t *testing.T, path string) (trouble []time.Time, tookOver int) {
+// store, and the claims it took over.
+func storeTrouble(t *testing.T, path string) (trouble []time.Time, took []takeOver) {
 	b, err := os.ReadFile(path)
 	if err != nil {
 		t.Errorf("reading a sidecar's log: %v", err)
-		return nil, 0
+		return nil, nil
 	}
 	for line := range strings.Lines(string(b)) {
 		var rec struct {
 			Time time.Time `json:"time"`
 			Msg  string    `json:"msg"`
+			Key  string    `json:"key"`
 		}
 		if json.Unmarshal([]byte(line), &rec) != nil {
 			continue
 		}
 		if strings.HasPrefix(rec.Msg, "Took over an abandoned claim") {
-			tookOver++
+			took = append(took, takeOver{at: rec.Time, key: rec.Key})
 		}
 		for _, m := range troubleMessages {
 			if strings.HasPrefix(rec.Msg, m) {
@@ -571,7 +888,7 @@ func storeTrouble(t *testing.T, path string) (trouble []time.Time, tookOver int)
 			}
 		}
 	}
-	return trouble, tookOver
+	return trouble, took
 }
 
 // keepLogs copies the sidecars' logs out of the test's temporary directory,
