@@ -8,6 +8,7 @@
 package history
 
 import (
+	"slices"
 	"time"
 )
 
@@ -87,6 +88,15 @@ type Verdict struct {
 	// LostWithSidecar: re-runs after the owner's sidecar was killed
 	// between answering and storing the result (Retry only).
 	LostWithSidecar int
+	// Raced: executions dispatched after an earlier one of the same call
+	// but before any client was answered. A claim lets one execution run
+	// at a time, so each is a take-over of a claim whose owner died or was
+	// cut off from the store for a lease (Retry only), or a claim the
+	// store lost.
+	Raced int
+	// LostClaims: raced executions that no kill of a sidecar and no lapse
+	// explains: the store lost a live claim. Must be 0.
+	LostClaims int
 }
 
 // Classify counts every execution and every answer of h.
@@ -94,7 +104,18 @@ func (h *History) Classify() Verdict {
 	var v Verdict
 	for call, ex := range h.Executions {
 		v.Executions += len(ex)
-		for _, at := range ex {
+		ex = slices.Clone(ex)
+		slices.SortFunc(ex, func(a, b time.Time) int { return a.Compare(b) })
+		for i, at := range ex {
+			if i > 0 && !h.answeredBefore(call, at) {
+				v.Raced++
+				if h.ownerLost(ex[i-1], at) {
+					h.logf("raced: %s ran at %s, after an execution at %s and before any answer; a sidecar was killed or the store out of reach meanwhile", call, ts(at), ts(ex[i-1]))
+				} else {
+					h.logf("lost claim: %s ran at %s, after an execution at %s and before any answer, with no sidecar killed and the store in reach meanwhile", call, ts(at), ts(ex[i-1]))
+					v.LostClaims++
+				}
+			}
 			switch h.classify(call, at) {
 			case duplicate:
 				v.Duplicates++
@@ -147,6 +168,35 @@ func (h *History) classify(call string, at time.Time) kind {
 		}
 	}
 	return first
+}
+
+// ownerLost reports whether the owner of an execution dispatched at prev
+// may have lost its claim by at: a sidecar was killed in between (which one
+// dispatched it is not recorded), or the store was out of reach long
+// enough for a lease to lapse.
+func (h *History) ownerLost(prev, at time.Time) bool {
+	for _, k := range h.Kills {
+		// A sidecar dispatches a call a moment before the server sees it.
+		if !k.From.Before(prev.Add(-100*time.Millisecond)) && k.From.Before(at) {
+			return true
+		}
+	}
+	for _, l := range h.Lapses {
+		if l.overlaps(prev, at) {
+			return true
+		}
+	}
+	return false
+}
+
+// answeredBefore reports whether a client got an answer to call before at.
+func (h *History) answeredBefore(call string, at time.Time) bool {
+	for _, c := range h.Completions[call] {
+		if c.At.Before(at) {
+			return true
+		}
+	}
+	return false
 }
 
 func ts(t time.Time) string { return t.Format("15:04:05.000") }
