@@ -20,9 +20,10 @@ const (
 	// the store from acknowledging writes for sentinelDownAfter (a killed
 	// primary), up to a second until Sentinel sees the replica promoted,
 	// and the old primary's resync as the new replica (with
-	// --redis-min-replicas 1 a write needs it): 1 to 2.5 seconds. An owner
+	// --redis-min-replicas 1 a write needs it): 1 to 3 seconds. An owner
 	// renews every lease/3, so its claim has at least 2/3 of the lease left
-	// when a failover starts; 5s leaves 3.3s, and no claim may lapse.
+	// when a failover starts; 5s leaves 3.3s. A failover of half the lease
+	// or more is counted as a pause (a claim may lapse); none shorter may.
 	sentinelLease = 5 * time.Second
 	// switchTimeout bounds the wait for Sentinel to name the new primary.
 	switchTimeout = 20 * time.Second
