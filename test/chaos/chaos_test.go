@@ -180,12 +180,14 @@ type report struct {
 	lostWithSide int
 	raced        int
 	lostClaims   int
-	faults       map[string]int
-	codes        map[string]int
-	goroutines   [2]int
-	sidecarGor   [2]float64
-	sidecarHeap  [2]float64
-	verification int
+	// answers -32013 to attempts that overlapped no store outage
+	unavailableOutside int
+	faults             map[string]int
+	codes              map[string]int
+	goroutines         [2]int
+	sidecarGor         [2]float64
+	sidecarHeap        [2]float64
+	verification       int
 	// failover: the longest time a failover kept the store from
 	// acknowledging writes, and whether any reached the lease.
 	longestFailover time.Duration
@@ -217,6 +219,8 @@ type world struct {
 	onAbandoned string
 	lease       time.Duration
 	failover    *failoverSet
+	// unavailable: attempts answered -32013, from start to answer.
+	unavailable [][2]time.Time
 }
 
 type lockedRand struct {
@@ -271,7 +275,11 @@ func run(t *testing.T, sec section, duration time.Duration) *report {
 	storeSpec := ""
 	sidecarArgs := []string{"--redis-key-prefix", "idemcp:chaos/" + onAbandoned + ":"}
 	if sec.sentinel {
-		w.failover = startFailoverSet(t, persist...)
+		// A killed primary rejoins as a replica and resyncs from the new
+		// one, so what it persisted does not matter; fsync on every write
+		// only stalls it, and a primary stalled for down-after is failed
+		// over by Sentinel on its own.
+		w.failover = startFailoverSet(t, "--appendonly", "yes", "--appendfsync", "everysec")
 		storeSpec = fmt.Sprintf("{addresses: [%q], sentinelMaster: %s}", w.failover.sentinel.Addr, sentinelMaster)
 		sidecarArgs = append(sidecarArgs, "--redis-min-replicas", strconv.Itoa(sec.minReplicas))
 	} else {
@@ -322,7 +330,7 @@ func run(t *testing.T, sec section, duration time.Duration) *report {
 					ambiguous.Add(1)
 				default:
 					unanswered.Add(1)
-					t.Errorf("logical call %s got no result after %d attempts: last %s", id, out.attempts, out.final)
+					t.Errorf("logical call %s got no result after %d attempts: last %s\n%s", id, out.attempts, out.final, strings.Join(out.trace, "\n"))
 				}
 			}
 		})
@@ -359,6 +367,7 @@ func run(t *testing.T, sec section, duration time.Duration) *report {
 	if w.failover != nil {
 		r.longestFailover = w.failover.longest
 	}
+	r.unavailableOutside = w.unavailableOutsideOutages()
 
 	// Resources back to baseline once the traffic is over.
 	upstream.CloseClientConnections()
@@ -408,6 +417,26 @@ func run(t *testing.T, sec section, duration time.Duration) *report {
 		t.Errorf("sidecar heap in use: %.1f MiB after the run, %.1f MiB at the start", r.sidecarHeap[1]/(1<<20), r.sidecarHeap[0]/(1<<20))
 	}
 	return r
+}
+
+// unavailableOutsideOutages counts the attempts answered -32013 that
+// overlapped no outage of the store (nor the second after one, while
+// connections are made again), and logs them.
+func (w *world) unavailableOutsideOutages() int {
+	n := 0
+	for _, u := range w.unavailable {
+		inOutage := false
+		for _, o := range w.outages {
+			if o[0].Before(u[1]) && o[1].Add(time.Second).After(u[0]) {
+				inOutage = true
+			}
+		}
+		if !inOutage {
+			n++
+			w.t.Logf("attempt from %s to %s answered -32013 with the store up", u[0].Format("15:04:05.000"), u[1].Format("15:04:05.000"))
+		}
+	}
+	return n
 }
 
 // countExecutions records every charge that took effect, by logical call.
@@ -578,6 +607,7 @@ func (w *world) verify() int {
 }
 
 type agent struct {
+	lastErr   string // of the last attempt, when idemcp answered an error
 	w         *world
 	n         int
 	principal string
@@ -599,17 +629,21 @@ func (a *agent) close() {
 type outcome struct {
 	attempts int
 	final    string
+	// trace: when each attempt ended, and how, for a call left without an
+	// answer.
+	trace []string
 }
 
 // logicalCall retries one call until it gets its result or a final error.
 func (a *agent) logicalCall(id string) outcome {
 	var out outcome
-	unavailable := 0
+	unavailable := 0 // answers "retry later" so far
 	for out.attempts < maxAttempts {
 		out.attempts++
 		drop := a.w.rnd.float() < 0.10
 		stall := !drop && a.w.rnd.float() < 0.05
 		out.final = a.attempt(id, drop, stall)
+		out.trace = append(out.trace, time.Now().Format("15:04:05.000")+" "+out.final+a.lastErr)
 		switch out.final {
 		case "ok":
 			// An agent that did not see its answer retries anyway.
@@ -622,10 +656,10 @@ func (a *agent) logicalCall(id string) outcome {
 			return out
 		}
 		pause := time.Duration(50+a.w.rnd.intn(250)) * time.Millisecond
-		if out.final == strconv.Itoa(mcpmsg.CodeStoreUnavailable) {
+		if out.final == strconv.Itoa(mcpmsg.CodeStoreUnavailable) || out.final == strconv.Itoa(mcpmsg.CodeInFlight) {
 			// "Retry later": the agent backs off, as from an HTTP 503, so
-			// that a store failing over (or restarting) does not use up
-			// its attempts in a second.
+			// that a store failing over (or restarting), which answers
+			// both at once, does not use up its attempts in a second.
 			pause += min(100*time.Millisecond<<unavailable, 2*time.Second)
 			unavailable++
 		}
@@ -661,6 +695,7 @@ func (a *agent) attempt(id string, drop, stall bool) string {
 	if stall {
 		w.fault(faultStall)
 	}
+	a.lastErr = ""
 	res, err := a.call(ctx, i, id)
 	if err == nil && !res.IsError {
 		b, _ := json.Marshal(res.StructuredContent)
@@ -679,6 +714,14 @@ func (a *agent) attempt(id string, drop, stall bool) string {
 	switch {
 	case code <= -32010 && code >= -32019:
 		w.code(strconv.FormatInt(code, 10))
+		if err != nil {
+			a.lastErr = ": " + err.Error()
+		}
+		if code == mcpmsg.CodeStoreUnavailable {
+			w.mu.Lock()
+			w.unavailable = append(w.unavailable, [2]time.Time{start, time.Now()})
+			w.mu.Unlock()
+		}
 		return strconv.FormatInt(code, 10)
 	case drop && ctx.Err() != nil:
 		w.code("client gave up (injected)")
@@ -839,6 +882,7 @@ func (r *report) String() string {
 	row("ran again before any answer: a take-over of a claim whose owner was killed or cut off for a lease (Retry only)", r.raced)
 	row("of which with no sidecar killed and the store in reach: a lost claim (must be 0)", r.lostClaims)
 	row("calls left without an answer", r.unanswered)
+	row("attempts answered -32013 with the store up", r.unavailableOutside)
 	row("calls answered outcome unknown (-32012)", r.ambiguous)
 	row("completed calls verified after the run", r.verification)
 	if r.longestFailover > 0 {

@@ -126,8 +126,7 @@ func (f *failoverSet) failOver(w *world, forced bool) {
 	}
 	switched := f.waitFor(switchTimeout, func() bool { return f.primaryAddr() == next.Addr })
 	if !forced {
-		// Back with its data (append-only file), as a primary until it is
-		// told to replicate.
+		// Back as a primary until it is told to replicate.
 		old.Start()
 	}
 	if !switched {
@@ -184,8 +183,8 @@ func (f *failoverSet) rejoin(w *world, start time.Time, old, next *redistest.Ser
 // watch follows Sentinel until ctx ends. Sentinel may fail over on its own
 // (on a loaded machine a primary can miss PINGs for down-after): that
 // failover is completed as an injected one is, counted, and its window
-// recorded from down-after before Sentinel was last seen naming the old
-// primary.
+// recorded from down-after and a second (Sentinel's promotion) before
+// Sentinel was last seen naming the old primary.
 func (f *failoverSet) watch(ctx context.Context, w *world) {
 	seen := time.Now()
 	for ctx.Err() == nil {
@@ -194,7 +193,7 @@ func (f *failoverSet) watch(ctx context.Context, w *world) {
 		if addr := f.primaryAddr(); addr != "" && addr != f.primary {
 			w.fault(faultFailoverUnplanned)
 			next, old := f.roles()
-			f.rejoin(w, seen.Add(-sentinelDownAfter), old, next)
+			f.rejoin(w, seen.Add(-sentinelDownAfter-time.Second), old, next)
 		}
 		seen = time.Now()
 		f.mu.Unlock()
