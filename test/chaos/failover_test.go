@@ -81,6 +81,21 @@ func (f *failoverSet) primaryAddr() string {
 	return strings.Replace(out, "\n", ":", 1)
 }
 
+// settledOn reports whether Sentinel holds addr as the primary, with no
+// failover in progress.
+func (f *failoverSet) settledOn(addr string) bool {
+	out, err := redistest.Do(f.sentinel.Addr, "SENTINEL", "MASTER", sentinelMaster)
+	if err != nil {
+		return false
+	}
+	kv := strings.Split(out, "\n")
+	m := map[string]string{}
+	for i := 0; i+1 < len(kv); i += 2 {
+		m[kv[i]] = kv[i+1]
+	}
+	return net.JoinHostPort(m["ip"], m["port"]) == addr && !strings.Contains(m["flags"], "failover")
+}
+
 // inSync reports whether primary serves as one with its replica online,
 // so that a write waiting for one replica (WAIT 1) is acknowledged.
 func inSync(primary, replica *redistest.Server) bool {
@@ -124,7 +139,9 @@ func (f *failoverSet) failOver(w *world, forced bool) {
 		w.fault(faultFailoverKilled)
 		old.Stop()
 	}
-	switched := f.waitFor(switchTimeout, func() bool { return f.primaryAddr() == next.Addr })
+	// Sentinel names the new primary while it still repoints replicas:
+	// wait for the failover to end before the old primary comes back.
+	switched := f.waitFor(switchTimeout, func() bool { return f.settledOn(next.Addr) })
 	if !forced {
 		// Back as a primary until it is told to replicate.
 		old.Start()
