@@ -20,11 +20,12 @@ const (
 	// the store from acknowledging writes for sentinelDownAfter (a killed
 	// primary), up to a second until Sentinel sees the replica promoted,
 	// and the old primary's resync as the new replica (with
-	// --redis-min-replicas 1 a write needs it): 1 to 3 seconds. An owner
+	// --redis-min-replicas 1 a write needs it): 1 to 3 seconds, and a
+	// sidecar may find the store back up to redialProbe later. An owner
 	// renews every lease/3, so its claim has at least 2/3 of the lease left
-	// when a failover starts; 5s leaves 3.3s. A failover of half the lease
-	// or more is counted as a pause (a claim may lapse); none shorter may.
-	sentinelLease = 5 * time.Second
+	// when a failover starts: 6s leaves 4s, and a failover shorter than 3s
+	// may let no claim lapse (mayLapse).
+	sentinelLease = 6 * time.Second
 	// switchTimeout bounds the wait for Sentinel to name the new primary.
 	switchTimeout = 20 * time.Second
 )
@@ -189,10 +190,9 @@ func (f *failoverSet) rejoin(w *world, start time.Time, old, next *redistest.Ser
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	w.outages = append(w.outages, [2]time.Time{start, end})
-	// No claim may lapse in a failover shorter than a lease less the
-	// lease/3 between renewals (and a renewal's backoff once the store
-	// is back): a longer one is counted as a pause would be.
-	if end.Sub(start) >= w.lease/2 {
+	// A failover long enough to let a claim lapse is counted as a pause
+	// would be; no claim may lapse in a shorter one.
+	if w.mayLapse(end.Sub(start)) {
 		w.pauses = append(w.pauses, [2]time.Time{start, end})
 	}
 }
