@@ -98,6 +98,13 @@ func TestClassify(t *testing.T) {
 		}}},
 		want: Verdict{Executions: 1, Mismatches: 1}, fails: true,
 	}, {
+		name: "a replay, then its owner's sidecar killed before storing, and a re-run: replayed then lost",
+		h: History{Retry: true, Executions: map[string][]time.Time{"c": {at(10), at(3000)}}, Completions: map[string][]Completion{"c": {
+			{From: at(0), At: at(100), Body: "a", Sidecar: 0}, {From: at(150), At: at(150), Body: "a", Replayed: true, Sidecar: 1},
+			{From: at(2900), At: at(3100), Body: "b", Sidecar: 2},
+		}}, Kills: []Window{{From: at(200), To: at(600), Sidecar: 0}}},
+		want: Verdict{Executions: 2, LostWithSidecar: 1, ReplayedThenLost: 1},
+	}, {
 		name: "a retry answered differently after a take-over: allowed",
 		h: History{Retry: true, Executions: map[string][]time.Time{"c": {at(10), at(2000)}}, Completions: map[string][]Completion{"c": {
 			{From: at(0), At: at(100), Body: "a"}, {From: at(1900), At: at(2100), Body: "b"},
