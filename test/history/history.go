@@ -8,6 +8,7 @@
 package history
 
 import (
+	"slices"
 	"time"
 )
 
@@ -69,6 +70,10 @@ type History struct {
 	Lapses []Window
 	// Kills: a sidecar was SIGKILLed, from the kill until it was back.
 	Kills []Window
+	// StoreRetrySlack, when set, replaces the package's StoreRetrySlack:
+	// stores whose writes fail for a while after an outage (a failover,
+	// until the new primary has its replicas) retry a result for longer.
+	StoreRetrySlack time.Duration
 	// Logf, when set, explains every second execution it classifies.
 	Logf func(format string, args ...any)
 }
@@ -87,6 +92,22 @@ type Verdict struct {
 	// LostWithSidecar: re-runs after the owner's sidecar was killed
 	// between answering and storing the result (Retry only).
 	LostWithSidecar int
+	// Raced: executions dispatched after an earlier one of the same call
+	// but before any client was answered. A claim lets one execution run
+	// at a time, so each is a take-over of a claim whose owner died or was
+	// cut off from the store for a lease (Retry only), or a claim the
+	// store lost.
+	Raced int
+	// ReplayedThenLost: replays of a result the store held on its primary
+	// only (the owner had stored it, but no replica had acknowledged it
+	// yet) that a failover then lost, since the owner's sidecar was killed
+	// before storing it again; a retry ran the call again and answered
+	// differently (Retry only). A known limit (docs/failure-modes.md):
+	// replays do not wait for replicas.
+	ReplayedThenLost int
+	// LostClaims: raced executions that no kill of a sidecar and no lapse
+	// explains: the store lost a live claim. Must be 0.
+	LostClaims int
 }
 
 // Classify counts every execution and every answer of h.
@@ -94,7 +115,18 @@ func (h *History) Classify() Verdict {
 	var v Verdict
 	for call, ex := range h.Executions {
 		v.Executions += len(ex)
-		for _, at := range ex {
+		ex = slices.Clone(ex)
+		slices.SortFunc(ex, func(a, b time.Time) int { return a.Compare(b) })
+		for i, at := range ex {
+			if i > 0 && !h.answeredBefore(call, at) {
+				v.Raced++
+				if h.ownerLost(ex[i-1], at) {
+					h.logf("raced: %s ran at %s, after an execution at %s and before any answer; a sidecar was killed or the store out of reach meanwhile", call, ts(at), ts(ex[i-1]))
+				} else {
+					h.logf("lost claim: %s ran at %s, after an execution at %s and before any answer, with no sidecar killed and the store in reach meanwhile", call, ts(at), ts(ex[i-1]))
+					v.LostClaims++
+				}
+			}
 			switch h.classify(call, at) {
 			case duplicate:
 				v.Duplicates++
@@ -109,6 +141,11 @@ func (h *History) Classify() Verdict {
 		for i := 1; i < len(comps); i++ {
 			prev, cur := comps[i-1], comps[i]
 			if cur.Body != prev.Body && !h.lostBetween(prev.From, cur.At) && !h.takenOver(prev) && !h.diedBeforeStoring(prev) {
+				if prev.Replayed && h.replayedThenLost(comps[:i], prev) {
+					h.logf("replayed, then lost with its sidecar: %s was replayed %s before a replica had it, then its sidecar was killed and a failover lost it; a retry answered %s", call, prev.Body, cur.Body)
+					v.ReplayedThenLost++
+					continue
+				}
 				h.logf("mismatch: %s answered %s, then %s (replayed %v)", call, prev.Body, cur.Body, cur.Replayed)
 				v.Mismatches++
 			}
@@ -147,6 +184,54 @@ func (h *History) classify(call string, at time.Time) kind {
 		}
 	}
 	return first
+}
+
+// ownerLost reports whether the owner of an execution dispatched at prev
+// may have lost its claim by at: a sidecar was killed in between (which one
+// dispatched it is not recorded), or the store was out of reach long
+// enough for a lease to lapse.
+func (h *History) ownerLost(prev, at time.Time) bool {
+	for _, k := range h.Kills {
+		// A sidecar dispatches a call a moment before the server sees it.
+		if !k.From.Before(prev.Add(-100*time.Millisecond)) && k.From.Before(at) {
+			return true
+		}
+	}
+	for _, l := range h.Lapses {
+		if l.overlaps(prev, at) {
+			return true
+		}
+	}
+	return false
+}
+
+// replayedThenLost reports whether the replay r repeats the answer of an
+// earlier execution whose sidecar was killed before it could have stored
+// the result for good.
+func (h *History) replayedThenLost(earlier []Completion, r Completion) bool {
+	for _, c := range earlier {
+		if !c.Replayed && c.Body == r.Body && h.diedBeforeStoring(c) {
+			return true
+		}
+	}
+	return false
+}
+
+func (h *History) storeRetrySlack() time.Duration {
+	if h.StoreRetrySlack > 0 {
+		return h.StoreRetrySlack
+	}
+	return StoreRetrySlack
+}
+
+// answeredBefore reports whether a client got an answer to call before at.
+func (h *History) answeredBefore(call string, at time.Time) bool {
+	for _, c := range h.Completions[call] {
+		if c.At.Before(at) {
+			return true
+		}
+	}
+	return false
 }
 
 func ts(t time.Time) string { return t.Format("15:04:05.000") }
@@ -190,8 +275,8 @@ func (h *History) diedBeforeStoring(c Completion) bool {
 	// round.
 	storedBy := c.At.Add(h.Lease)
 	for _, o := range h.Outages {
-		if o.affects(c.Sidecar) && o.overlaps(c.From, storedBy) && !o.To.IsZero() && o.To.Add(StoreRetrySlack).After(storedBy) {
-			storedBy = o.To.Add(StoreRetrySlack)
+		if o.affects(c.Sidecar) && o.overlaps(c.From, storedBy) && !o.To.IsZero() && o.To.Add(h.storeRetrySlack()).After(storedBy) {
+			storedBy = o.To.Add(h.storeRetrySlack())
 		}
 	}
 	for _, k := range h.Kills {

@@ -29,10 +29,22 @@ func TestClassify(t *testing.T) {
 		}}},
 		want: Verdict{Executions: 2, Duplicates: 1}, fails: true,
 	}, {
-		name: "two executions racing before any answer: not a duplicate",
+		name: "two executions racing before any answer, with no fault: a lost claim",
 		h: History{Retry: true, Executions: map[string][]time.Time{"c": {at(10), at(50)}},
 			Completions: map[string][]Completion{"c": answered}},
-		want: Verdict{Executions: 2},
+		want: Verdict{Executions: 2, Raced: 1, LostClaims: 1}, fails: true,
+	}, {
+		name: "two executions racing, a sidecar killed in between: a take-over",
+		h: History{Retry: true, Executions: map[string][]time.Time{"c": {at(10), at(1200)}},
+			Completions: map[string][]Completion{"c": {{From: at(1100), At: at(1300), Body: "a", Sidecar: 1}}},
+			Kills:       []Window{{From: at(40), To: at(300), Sidecar: 0}}},
+		want: Verdict{Executions: 2, Raced: 1},
+	}, {
+		name: "two executions racing, the store away for a lease in between: a take-over",
+		h: History{Retry: true, Executions: map[string][]time.Time{"c": {at(10), at(1200)}},
+			Completions: map[string][]Completion{"c": {{From: at(1100), At: at(1300), Body: "a", Sidecar: 1}}},
+			Lapses:      []Window{{From: at(40), To: at(1100), Sidecar: All}}},
+		want: Verdict{Executions: 2, Raced: 1},
 	}, {
 		name: "the owner's sidecar lost the store for a lease just after answering: taken over",
 		h: History{Retry: true, Executions: twice, Completions: map[string][]Completion{"c": answered},
@@ -86,6 +98,13 @@ func TestClassify(t *testing.T) {
 		}}},
 		want: Verdict{Executions: 1, Mismatches: 1}, fails: true,
 	}, {
+		name: "a replay, then its owner's sidecar killed before storing, and a re-run: replayed then lost",
+		h: History{Retry: true, Executions: map[string][]time.Time{"c": {at(10), at(3000)}}, Completions: map[string][]Completion{"c": {
+			{From: at(0), At: at(100), Body: "a", Sidecar: 0}, {From: at(150), At: at(150), Body: "a", Replayed: true, Sidecar: 1},
+			{From: at(2900), At: at(3100), Body: "b", Sidecar: 2},
+		}}, Kills: []Window{{From: at(200), To: at(600), Sidecar: 0}}},
+		want: Verdict{Executions: 2, LostWithSidecar: 1, ReplayedThenLost: 1},
+	}, {
 		name: "a retry answered differently after a take-over: allowed",
 		h: History{Retry: true, Executions: map[string][]time.Time{"c": {at(10), at(2000)}}, Completions: map[string][]Completion{"c": {
 			{From: at(0), At: at(100), Body: "a"}, {From: at(1900), At: at(2100), Body: "b"},
@@ -99,7 +118,7 @@ func TestClassify(t *testing.T) {
 			if got != tc.want {
 				t.Errorf("Classify() = %+v, want %+v", got, tc.want)
 			}
-			if fails := got.Duplicates != 0 || got.Mismatches != 0; fails != tc.fails {
+			if fails := got.Duplicates != 0 || got.Mismatches != 0 || got.LostClaims != 0; fails != tc.fails {
 				t.Errorf("the run fails: %v, want %v", fails, tc.fails)
 			}
 		})

@@ -221,7 +221,9 @@ func unavailable(op, key string, err error) error {
 
 // Reserve implements store.Store. Owner tokens are unique per call, so a
 // pending claim found under the caller's own token is this very Reserve,
-// re-sent by go-redis after its reply was lost, and is reported Won.
+// re-sent by go-redis after its reply was lost, and is reported Won, its
+// lease started again: the re-send may come most of a lease later, once
+// Redis is back, and the owner runs the call with a whole lease ahead.
 func (s *Store) Reserve(ctx context.Context, c store.Claim) (store.Reservation, error) {
 	takeOver := "0"
 	if c.TakeOver {

@@ -606,3 +606,30 @@ func TestMinReplicasAcrossFailover(t *testing.T) {
 		}
 	}
 }
+
+// TestReserveResentLateRenewsTheLease: a Reserve whose reply was lost and
+// that go-redis re-sends once Redis is back (a restart, a failover) finds
+// its own claim and is reported Won; the owner then runs the call with a
+// whole lease ahead of it, so the claim's lease must start again there, not
+// at the first send. The chaos run saw a claim taken over 61ms after its
+// owner started, a second after a Redis restart.
+func TestReserveResentLateRenewsTheLease(t *testing.T) {
+	srv := redistest.Start(t)
+	p := prefix(t)
+	a, _ := sidecar(t, srv.Addr, p)
+	b, _ := sidecar(t, srv.Addr, p)
+	ctx := context.Background()
+	key := token()
+	c := claim(key, 500*time.Millisecond)
+	if r, err := a.Reserve(ctx, c); err != nil || r.State != store.Won {
+		t.Fatalf("first Reserve = %v, %v; want won", r.State, err)
+	}
+	time.Sleep(400 * time.Millisecond)
+	if r, err := a.Reserve(ctx, c); err != nil || r.State != store.Won || r.TookOver {
+		t.Fatalf("the same Reserve re-sent = %+v, %v; want won", r, err)
+	}
+	time.Sleep(200 * time.Millisecond)
+	if r, err := b.Reserve(ctx, claim(key, time.Second)); err != nil || r.State != store.Pending {
+		t.Fatalf("another caller's Reserve 200ms after the re-sent one (lease 500ms) = %+v, %v; want pending: the owner's lease runs from its re-sent Reserve", r, err)
+	}
+}

@@ -62,8 +62,13 @@ local fp = rec[2] or ''
 if rec[1] == 'c' then
   return {2, fp, rec[5] or ''}
 end
--- Our own claim: this Reserve was re-sent after its reply was lost.
+-- Our own claim: this Reserve was re-sent after its reply was lost, maybe
+-- much later (once Redis is back from a restart or a failover). The owner
+-- runs the call with a whole lease ahead of it, so the lease starts again
+-- now; otherwise another caller could take the claim over at once.
 if rec[3] == ARGV[2] then
+  redis.call('HSET', KEYS[1], 'l', string.format('%d', now + tonumber(ARGV[3])))
+  redis.call('PEXPIRE', KEYS[1], ARGV[4])
   return {1}
 end
 if (tonumber(rec[4]) or 0) > now then
