@@ -36,7 +36,7 @@ for p in $RN_HOST_DIRS; do [[ -e $p ]] && echo "$p"; done >"$RN_STATE/preexistin
 [[ -d /run/netns ]] || echo /run/netns >>"$RN_STATE/created-dirs"
 # kubelet's cgroup root, in every hierarchy; a new cpuset needs CPUs and
 # memory nodes before anything can join it.
-awk '$3 == "cgroup" || $3 == "cgroup2" { print $2 }' /proc/self/mounts | while read -r m; do
+awk '($3 == "cgroup" || $3 == "cgroup2") && $2 ~ /^\/sys\/fs\/cgroup(\/|$)/ { print $2 }' /proc/self/mounts | sort -u | while read -r m; do
 	mkdir "$m/$RN_CGROUP_ROOT"
 	if [[ -f "$m/cpuset.cpus" && -f "$m/$RN_CGROUP_ROOT/cpuset.cpus" ]]; then
 		cat "$m/cpuset.cpus" >"$m/$RN_CGROUP_ROOT/cpuset.cpus"

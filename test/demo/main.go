@@ -477,6 +477,9 @@ func (d *demo) resolveEnv(ctx context.Context, c *corev1.Container) ([]string, e
 				v = d.pod.Name
 			case s.FieldRef != nil && s.FieldRef.FieldPath == "metadata.namespace":
 				v = d.pod.Namespace
+			case s.FieldRef != nil && (s.FieldRef.FieldPath == "status.podIP" || s.FieldRef.FieldPath == "status.podIPs"):
+				// The pod's processes run on this host's loopback.
+				v = "127.0.0.1"
 			case s.FieldRef != nil:
 				return nil, fmt.Errorf("env %s: field %s is not one the demo resolves", e.Name, s.FieldRef.FieldPath)
 			case s.SecretKeyRef != nil:
