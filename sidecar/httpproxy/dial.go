@@ -17,6 +17,7 @@ package httpproxy
 
 import (
 	"context"
+	"errors"
 	"log/slog"
 	"net"
 	"net/netip"
@@ -24,6 +25,7 @@ import (
 	"slices"
 	"strings"
 	"sync/atomic"
+	"syscall"
 	"time"
 )
 
@@ -41,8 +43,9 @@ const (
 
 // UpstreamDialer connects to the upstream's port at its alternative
 // addresses first (the pod's IPs), then at the host of the upstream URL.
-// It remembers the address that answered, so that the hot path makes one
-// connect; on a failure there, or every DialRecheck, it tries the others.
+// It remembers the address that answered after the earlier ones refused,
+// so that the hot path makes one connect; on a failure there, or every
+// DialRecheck, it tries the others.
 type UpstreamDialer struct {
 	// addr is the upstream URL's host:port, as the transport asks for it;
 	// addrs are the addresses to try, addr last.
@@ -120,15 +123,21 @@ func (d *UpstreamDialer) DialContext(ctx context.Context, network, addr string) 
 		}
 	}
 	var errs dialErrors
+	refused := true // every address tried before this one refused
 	for n := range d.addrs {
 		i := (start + n) % len(d.addrs)
 		c, err := d.dialOne(ctx, network, d.addrs[i], n == len(d.addrs)-1)
 		if err == nil {
-			if i != best {
+			// Only a refusal says nothing listens there. A connect not
+			// answered in time (a listener whose accept queue is full
+			// drops SYNs) falls back for this connection only: the
+			// address that answered last stays the first one tried.
+			if i != best && (i < best || refused) {
 				d.switchTo(i, best)
 			}
 			return c, nil
 		}
+		refused = refused && errors.Is(err, syscall.ECONNREFUSED)
 		errs = append(errs, err)
 		if ctx.Err() != nil {
 			break

@@ -11,9 +11,11 @@ import (
 	"net/http/httptest"
 	"net/netip"
 	"net/url"
+	"os"
 	"strconv"
 	"strings"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -312,5 +314,60 @@ func TestCallSentToThePodIPIsNeverSentToLoopback(t *testing.T) {
 	drain(t, e)
 	if n, m := podReads.Load(), loopReads.Load(); n != 2 || m != 0 {
 		t.Errorf("the pod IP's server read %d requests and loopback's %d, want 2 and 0", n, m)
+	}
+}
+
+// TestDialerStaysWithThePodIPAfterATimeout: a server that listens on every
+// address drops SYNs at the pod IP while its accept queue is full (a burst
+// of load). That connect times out and this one connection falls back to
+// loopback; but the pod IP still listens, so the next connection must try
+// it first. Staying with loopback until the recheck would have every request
+// of the next 30s reach a server with DNS rebinding protection on loopback
+// with a Service's Host: 403 to all of them.
+func TestDialerStaysWithThePodIPAfterATimeout(t *testing.T) {
+	port := freePortOn(t, "127.0.0.1", "127.0.0.2")
+	loop, pod := net.JoinHostPort("127.0.0.1", strconv.Itoa(port)), net.JoinHostPort("127.0.0.2", strconv.Itoa(port))
+	loopSeen := make(chan string, 16)
+	go acceptInto(listenAt(t, "127.0.0.1", port), loopSeen)
+
+	// The pod IP's listener, with a backlog of 0 and nothing accepting:
+	// the kernel queues one connection and drops the SYNs of the next.
+	fd, err := syscall.Socket(syscall.AF_INET, syscall.SOCK_STREAM|syscall.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = syscall.SetsockoptInt(fd, syscall.SOL_SOCKET, syscall.SO_REUSEADDR, 1)
+	if err := syscall.Bind(fd, &syscall.SockaddrInet4{Port: port, Addr: [4]byte{127, 0, 0, 2}}); err != nil {
+		t.Fatal(err)
+	}
+	if err := syscall.Listen(fd, 0); err != nil {
+		t.Fatal(err)
+	}
+	podLn, err := net.FileListener(os.NewFile(uintptr(fd), "pod"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = podLn.Close() })
+	filler, err := net.Dial("tcp", pod)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = filler.Close() })
+
+	up, _ := url.Parse("http://" + loop)
+	d := NewUpstreamDialer(up, []netip.Addr{podIP}, nil)
+	now := time.Now()
+	d.now = func() time.Time { return now } // no recheck in this test
+	if got, err := dialOnce(t, d, loop); err != nil || got != loop {
+		t.Fatalf("with the pod IP's queue full: connected to %q (%v), want loopback %s", got, err, loop)
+	}
+	<-loopSeen
+
+	// The burst is over: the server accepts again at the pod IP.
+	podSeen := make(chan string, 16)
+	go acceptInto(podLn, podSeen)
+	<-podSeen // the filler
+	if got, err := dialOnce(t, d, loop); err != nil || got != pod {
+		t.Fatalf("after the burst: connected to %q (%v), want the pod IP %s", got, err, pod)
 	}
 }
