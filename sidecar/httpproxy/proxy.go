@@ -352,6 +352,14 @@ func (p *Proxy) serveDedup(w http.ResponseWriter, r *http.Request, body []byte, 
 	// the retry runs the call again.
 	flight := sync.OnceFunc(p.flights.start(r.Header.Get(HeaderSessionID)))
 	var forwarded atomic.Bool
+	detached := false
+	// Also if Execute panics (net/http recovers it): the session's DELETE
+	// must not wait out its whole hold for a call that never left.
+	defer func() {
+		if !forwarded.Load() && !detached {
+			flight()
+		}
+	}()
 	s := newSink(w, p.opts.ClientWriteTimeout)
 	defer s.detach()
 	out, err := p.engine.Execute(r.Context(), plan, func(ctx context.Context) (engine.Upstream, error) {
@@ -379,7 +387,8 @@ func (p *Proxy) serveDedup(w http.ResponseWriter, r *http.Request, body []byte, 
 		}
 		return up, err
 	})
-	if !forwarded.Load() && !errors.Is(err, engine.ErrDetached) {
+	detached = errors.Is(err, engine.ErrDetached)
+	if !forwarded.Load() && !detached {
 		// Replayed, refused, or given up before it was claimed: nothing
 		// of this call will reach the server. (ErrDetached: the call was
 		// claimed and its forward, which may not have begun yet, lets the
