@@ -231,10 +231,7 @@ func TestProxyReachesTheServerAtThePodIP(t *testing.T) {
 	whereServer(t, listenAt(t, "127.0.0.2", port))
 	loopLn := listenAt(t, "127.0.0.1", port)
 	whereServer(t, loopLn)
-	up, _ := url.Parse("http://127.0.0.1:" + strconv.Itoa(port))
-	e := engine.New(engine.Options{Store: store.NewMemory(100)})
-	proxy := httptest.NewServer(New(Options{Upstream: up, Dialer: NewUpstreamDialer(up, []netip.Addr{podIP}, nil), Engine: e}))
-	t.Cleanup(proxy.Close)
+	proxy, e := podIPProxy(t, port)
 
 	for i, body := range []string{
 		`{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"charge_card","arguments":{"amount":5}}}`,
@@ -284,10 +281,7 @@ func TestCallSentToThePodIPIsNeverSentToLoopback(t *testing.T) {
 	var podReads, loopReads atomic.Int32
 	go closingServer(listenAt(t, "127.0.0.2", port), &podReads)
 	go closingServer(listenAt(t, "127.0.0.1", port), &loopReads)
-	up, _ := url.Parse("http://127.0.0.1:" + strconv.Itoa(port))
-	e := engine.New(engine.Options{Store: store.NewMemory(100)})
-	proxy := httptest.NewServer(New(Options{Upstream: up, Dialer: NewUpstreamDialer(up, []netip.Addr{podIP}, nil), Engine: e}))
-	t.Cleanup(proxy.Close)
+	proxy, e := podIPProxy(t, port)
 
 	for i, body := range []string{
 		`{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"charge_card","arguments":{"amount":5}}}`,
@@ -370,4 +364,15 @@ func TestDialerStaysWithThePodIPAfterATimeout(t *testing.T) {
 	if got, err := dialOnce(t, d, loop); err != nil || got != pod {
 		t.Fatalf("after the burst: connected to %q (%v), want the pod IP %s", got, err, pod)
 	}
+}
+
+// podIPProxy is a proxy whose upstream is 127.0.0.1:port and whose dialer
+// tries the stand-in pod IP first.
+func podIPProxy(t *testing.T, port int) (*httptest.Server, *engine.Engine) {
+	t.Helper()
+	up, _ := url.Parse("http://127.0.0.1:" + strconv.Itoa(port))
+	e := engine.New(engine.Options{Store: store.NewMemory(100)})
+	proxy := httptest.NewServer(New(Options{Upstream: up, Dialer: NewUpstreamDialer(up, []netip.Addr{podIP}, nil), Engine: e}))
+	t.Cleanup(proxy.Close)
+	return proxy, e
 }
