@@ -75,15 +75,20 @@ func (b *duplexBody) Close() error { return nil }
 // this response anyway (closeIfBodyUnread). A response not yet written
 // gets Connection: close too.
 func (b *duplexBody) end(w http.ResponseWriter) {
+	broken := false
 	if !b.mu.TryLock() {
 		if !b.eof.Load() {
 			_ = http.NewResponseController(w).SetReadDeadline(time.Unix(1, 0))
+			broken = true
 		}
 		b.mu.Lock()
 	}
 	b.ended = true
 	b.mu.Unlock()
-	if !b.eof.Load() {
+	// Once the read deadline is broken, the connection is done even if
+	// the read reached the end meanwhile: net/http's background read,
+	// started at the end, fails on it and cancels the connection.
+	if broken || !b.eof.Load() {
 		w.Header().Set("Connection", "close")
 	}
 }
