@@ -71,6 +71,7 @@ type fakeLegacy struct {
 	calls   atomic.Int64
 	cancels atomic.Int64
 	gets    atomic.Int64
+	hold    chan struct{} // if set, a call answers only once it is closed
 }
 
 func (f *fakeLegacy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
@@ -129,6 +130,9 @@ func (f *fakeLegacy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			n := f.calls.Add(1)
 			go func() {
 				time.Sleep(time.Duration(m.Params.Arguments.DelayMS) * time.Millisecond)
+				if f.hold != nil {
+					<-f.hold
+				}
 				ch <- fmt.Appendf(nil, `{"jsonrpc":"2.0","id":%s,"result":{"content":[{"type":"text","text":"run %d"}]}}`, m.ID, n)
 			}()
 		}
@@ -297,14 +301,23 @@ func TestLegacyAbsoluteEndpointReplayAndCancel(t *testing.T) {
 
 func TestLegacyClientLeavesHoldsUpstreamUntilAnswered(t *testing.T) {
 	f, proxy := newLegacyTestProxy(t)
+	f.hold = make(chan struct{}) // the call runs until the test lets it answer
 	c := openLegacy(t, proxy.URL)
 	call := `{"jsonrpc":"2.0","id":%d,"method":"tools/call","params":{"name":"charge","arguments":{"delayMs":%d}}}`
-	c.post(fmt.Sprintf(call, 1, 400))
+	c.post(fmt.Sprintf(call, 1, 0))
+	for start := time.Now(); f.calls.Load() == 0; time.Sleep(5 * time.Millisecond) {
+		if time.Since(start) > time.Minute {
+			t.Fatal("the call never reached the server")
+		}
+	}
 	c.cancel() // the client's stream goes away mid-call
+	// A stream wrongly closed with the client's would be gone by now; the
+	// call cannot have answered, whatever the machine's load.
 	time.Sleep(100 * time.Millisecond)
 	if n := f.gets.Load(); n != 1 {
 		t.Fatalf("%d upstream streams open while the call runs, want 1 (held)", n)
 	}
+	close(f.hold)
 	deadline := time.Now().Add(5 * time.Second)
 	for f.gets.Load() != 0 {
 		if time.Now().After(deadline) {
