@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
 # Stops the real-node e2e cluster and removes everything up.sh made outside
-# the build cache: its processes (by the PIDs it recorded, and the container
-# shims and containers they started, and anything left in kubelet's cgroup
-# root idemcp-e2e), mounts under /run/idemcp-e2e (the pods' network
-# namespaces are there too), the cgroup root, the network namespace
-# idemcp-e2e, the host sysctls kubelet changed, the host directories kubelet
-# and CNI made, and /run/idemcp-e2e. Safe to run again, or when up.sh
-# stopped half way.
+# the build cache: its processes (by the PIDs it recorded, then every process
+# running one of the cluster's binaries, in the cluster's or a pod's network
+# namespace, or in kubelet's cgroup root idemcp-e2e, whatever PID it has),
+# mounts under /run/idemcp-e2e (the cluster's and the pods' network
+# namespaces are there too), the cgroup root, the host sysctls kubelet
+# changed, the host directories kubelet, CNI and util-linux made, and
+# /run/idemcp-e2e. Safe to run again, or when up.sh stopped half way.
 set -uo pipefail
+rc=0
 here="$(cd "$(dirname "$0")" && pwd)"
 # shellcheck source=env.sh
 source "$here/env.sh"
 t0=$(date +%s)
 rn_lock
-[[ -d "$RN_STATE" || -e "/run/netns/$RN_NETNS" || -n "$(rn_cgroups)" ]] || { rn_log "nothing to tear down"; exit 0; }
+# /run/netns/idemcp-e2e: the namespace of a cluster started by an older
+# up.sh (ip netns add).
+[[ -d "$RN_STATE" || -e /run/netns/idemcp-e2e || -n "$(rn_cgroups)" ]] || { rn_log "nothing to tear down"; exit 0; }
 # Act only on a state directory root made (up.sh makes it 0700): what it
 # records is run as root here.
 if [[ -e "$RN_STATE" ]] && { [[ -L "$RN_STATE" ]] || [[ "$(stat -c %u "$RN_STATE")" != 0 ]]; }; then
@@ -21,13 +24,63 @@ if [[ -e "$RN_STATE" ]] && { [[ -L "$RN_STATE" ]] || [[ "$(stat -c %u "$RN_STATE
 	exit 1
 fi
 RN_BIN="$(cat "$RN_STATE/bin" 2>/dev/null || true)"
+host_ns="$(rn_netns_of $$)"
+netns=""
 
-ours() { # pid: runs a binary of the build cache or the state directory
-	local exe
-	exe="$(readlink "/proc/$1/exe" 2>/dev/null)" || return 1
-	case "$exe" in
-	"$RN_STATE"/* | "${RN_BIN:-/nonexistent}"/*) return 0 ;;
-	esac
+# ours PID: PID is one of the cluster's processes: it runs a binary of the
+# realnode cache or the state directory, or it is in the cluster's or a
+# pod's network namespace (kube-apiserver and etcd run the envtest cache's
+# binaries, which envtest tests also run, in the host's namespace).
+ours() {
+	local exe ns
+	exe="$(rn_exe "$1")" || return 1
+	case "$exe" in "$RN_STATE"/* | "$RN_CACHE"/*) return 0 ;; esac
+	ns="$(rn_netns_of "$1")" || return 1
+	[[ "$ns" != "$host_ns" && -n "$netns" ]] && grep -qxF -- "$ns" <<<"$netns"
+}
+# The network namespaces of the cluster and of its pods: every nsfs mount
+# under the state directory.
+cluster_netns() {
+	local m
+	awk -v s="$RN_STATE/" '$3 == "nsfs" && index($2, s) == 1 { print $2 }' /proc/self/mounts | while read -r m; do
+		stat -L -c %i "$m" 2>/dev/null
+	done
+	[[ -e /run/netns/idemcp-e2e ]] && stat -L -c %i /run/netns/idemcp-e2e 2>/dev/null
+	return 0
+}
+# cluster_pids: every process the cluster started, found by executable, by
+# network namespace and by cgroup, whatever PID up.sh recorded.
+cluster_pids() {
+	local p pid c
+	for p in /proc/[0-9]*; do
+		pid="${p#/proc/}"
+		ours "$pid" && echo "$pid"
+	done
+	for c in $(rn_cgroups); do find "$c" -name cgroup.procs -exec cat {} + 2>/dev/null; done
+	return 0
+}
+# sweep: SIGTERM every process of the cluster, SIGKILL what is left after a
+# short grace (an apiserver whose etcd is gone ignores SIGTERM), and wait
+# until none runs.
+sweep() {
+	local pids i
+	pids="$(cluster_pids | sort -u)"
+	[[ -n "$pids" ]] || return 0
+	# shellcheck disable=SC2086
+	kill $pids 2>/dev/null
+	for ((i = 0; i < 10; i++)); do
+		pids="$(cluster_pids | sort -u)"
+		[[ -n "$pids" ]] || return 0
+		sleep 0.3
+	done
+	for ((i = 0; i < 20; i++)); do
+		# shellcheck disable=SC2086
+		kill -9 $pids 2>/dev/null
+		sleep 0.25
+		pids="$(cluster_pids | sort -u)"
+		[[ -n "$pids" ]] || return 0
+	done
+	rn_log "processes of the cluster still running after SIGKILL: $(tr '\n' ' ' <<<"$pids")"
 	return 1
 }
 stop() { # name: SIGTERM, then SIGKILL after 15 s
@@ -43,6 +96,7 @@ stop() { # name: SIGTERM, then SIGKILL after 15 s
 	rm -f "$f"
 }
 
+netns="$(cluster_netns)"
 # kubelet first, so that nothing restarts the containers removed below.
 for n in kubelet kube-proxy kube-scheduler kube-controller-manager dns; do stop "$n"; done
 # The containers and their shims: a shim whose task is gone exits.
@@ -57,16 +111,9 @@ fi
 stop containerd
 stop kube-apiserver
 stop etcd
-# Any process still running a binary of the cache or the state directory
-# (a shim whose containerd died first) was started by this cluster.
-for p in /proc/[0-9]*; do
-	ours "${p#/proc/}" && kill -9 "${p#/proc/}" 2>/dev/null
-done
-# Container processes run in the cgroups kubelet made under its root.
-for c in $(rn_cgroups); do
-	find "$c" -name cgroup.procs -exec cat {} + 2>/dev/null | xargs -r kill -9 2>/dev/null
-done
-sleep 0.5
+# Whatever is left: a shim whose containerd died first, a container process,
+# a component whose PID file was lost, anything started in the namespace.
+sweep || rc=1
 
 # Mounts: kubelet's volumes, containerd's rootfs and shm, the pods' network
 # namespaces (deepest first).
@@ -75,7 +122,7 @@ for ((i = 0; i < 3; i++)); do
 	((${#mnts[@]})) || break
 	for m in "${mnts[@]}"; do umount "$m" 2>/dev/null || umount -l "$m" 2>/dev/null; done
 done
-ip netns del "$RN_NETNS" 2>/dev/null
+[[ -e /run/netns/idemcp-e2e ]] && ip netns del idemcp-e2e 2>/dev/null
 # kubelet's cgroup root, in every hierarchy (deepest first).
 for c in $(rn_cgroups); do
 	find "$c" -depth -type d -exec rmdir {} + 2>/dev/null
@@ -95,10 +142,10 @@ if [[ -f "$RN_STATE/preexisting" ]]; then
 		grep -qxF "$p" "$RN_STATE/preexisting" || rm -rf "$p"
 	done
 fi
-if grep -qxF /run/netns "$RN_STATE/created-dirs" 2>/dev/null; then rmdir /run/netns 2>/dev/null; fi
 if grep -q " $RN_STATE" /proc/self/mounts; then
 	rn_log "mounts remain under $RN_STATE; leaving it"
 	exit 1
 fi
 rm -rf "$RN_STATE"
 rn_log "down ($(($(date +%s) - t0))s)"
+exit "$rc"

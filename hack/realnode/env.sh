@@ -1,10 +1,18 @@
 # Sourced by the hack/realnode scripts: the names and addresses of the
 # real-node e2e cluster. Everything the run makes outside the build cache is
-# under $RN_STATE, in the network namespace $RN_NETNS, or recorded there.
+# under $RN_STATE, in the network namespace $RN_NETNS_FILE, or recorded there.
 # shellcheck shell=bash
 RN_REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 RN_STATE="${IDEMCP_E2E_STATE:-/run/idemcp-e2e}"
-RN_NETNS=idemcp-e2e
+# The cluster's network namespace is a file under the state directory
+# (unshare --net=FILE), not a name under /run/netns: `ip netns add` makes
+# /run/netns and bind-mounts it onto itself the first time on a machine, and
+# both would outlive the run.
+RN_NETNS_FILE="$RN_STATE/netns"
+# util-linux's mount and umount (run by these scripts, and by kubelet for
+# volumes) keep their utab in /run/mount, made on first use: keep it under
+# the state directory instead.
+export LIBMOUNT_UTAB="$RN_STATE/libmount/utab"
 RN_NODE=idemcp-e2e-node
 RN_NODE_IP=10.201.0.1
 RN_POD_CIDR=10.202.0.0/24
@@ -21,16 +29,18 @@ RN_MCP_IMAGE=registry.local/mcpserver:e2e
 # kubelet's cgroup root: every pod's cgroup is under it, in every hierarchy,
 # so teardown touches only what this cluster made.
 RN_CGROUP_ROOT=idemcp-e2e
-# Host directories kubelet, containerd, runc and CNI make at fixed places
-# (kubelet's device-plugins directory ignores --root-dir): teardown removes
-# those that were not there before.
-RN_HOST_DIRS="/var/lib/kubelet /var/lib/cni /run/containerd /var/log/containers /var/log/pods /etc/cni"
+# Host directories kubelet, containerd, runc, CNI and util-linux make at fixed
+# places (kubelet's device-plugins directory ignores --root-dir; a mount run
+# without LIBMOUNT_UTAB, by a library that ignores it, makes /run/mount; the
+# opt plugin of a containerd whose config lost its path makes
+# /opt/containerd): teardown removes those that were not there before.
+RN_HOST_DIRS="/var/lib/kubelet /var/lib/cni /run/containerd /var/log/containers /var/log/pods /etc/cni /run/mount /opt/containerd"
 RN_CACHE="${IDEMCP_REALNODE_CACHE:-${HOME:?}/.local/share/idemcp/realnode}"
 
 rn_log() { printf 'realnode %s: %s\n' "$(date -u +%T)" "$*" >&2; }
 # rn_in runs a command in the cluster's network namespace, in the host's
 # mount namespace (kubelet's volume mounts must be visible to containerd).
-rn_in() { nsenter --net="/run/netns/$RN_NETNS" -- "$@"; }
+rn_in() { nsenter --net="$RN_NETNS_FILE" -- "$@"; }
 rn_kubectl() { rn_in "$RN_BIN/kubectl" --kubeconfig "$RN_KUBECONFIG" "$@"; }
 rn_ctr() { rn_in timeout 120 "$RN_BIN/ctr" --address "$RN_STATE/containerd/containerd.sock" -n k8s.io "$@"; }
 # rn_lock makes this run the only one that starts, tests or stops the
@@ -56,18 +66,46 @@ rn_cgroups() {
 rn_sysctl_keys() {
 	sysctl -a 2>/dev/null | awk -F' = ' '$1 ~ /^(vm\.overcommit_memory|vm\.panic_on_oom|kernel\.panic|kernel\.keys\.|net\.netfilter\.|net\.nf_conntrack_max|net\.bridge\.|net\.ipv4\.ip_forward$|net\.ipv4\.conf\.(all|default)\.)/ && $1 != "net.netfilter.nf_conntrack_count" {print $1}'
 }
-# rn_host_state prints what a run must leave as it found it: the processes
-# running a binary of the cache or the state directory, mounts, network
-# namespaces, the host's nftables tables, the sysctls above, the cgroup root
-# and the entries of the host directories kubelet, containerd, runc and CNI
-# write to. make test-e2e compares it before and after.
+# rn_exe PID prints the executable PID runs, without the " (deleted)" the
+# kernel appends to a binary replaced while it runs.
+rn_exe() {
+	local exe
+	exe="$(readlink "/proc/$1/exe" 2>/dev/null)" || return 1
+	echo "${exe% (deleted)}"
+}
+# rn_netns_of PID prints the inode of PID's network namespace.
+rn_netns_of() {
+	local ns
+	ns="$(readlink "/proc/$1/ns/net" 2>/dev/null)" || return 1
+	ns="${ns#net:[}"
+	echo "${ns%]}"
+}
+# rn_host_state prints what a run must leave as it found it: every process
+# running a binary of the realnode cache or the state directory; every
+# process in a network namespace other than the host's (the cluster's and
+# its pods' namespaces are the only ones a run makes, and a process in one
+# outlives the namespace's file: the cluster's kube-apiserver and etcd run
+# the envtest cache's binaries, which the envtest tests run too, in the
+# host's namespace); mounts; network namespaces under /run/netns; the host's
+# nftables tables; the sysctls above; the cgroup root; and the entries of
+# the host directories kubelet, containerd, runc, CNI and util-linux write
+# to. make test-e2e compares it before and after; "before" may be a machine
+# that never ran the project. Process lines name executables and
+# namespaces, not PIDs, so that the comparison sees what changed and not
+# which PIDs the kernel handed out.
 rn_host_state() {
-	local p exe k d
-	echo "# processes of the cluster"
+	local p pid exe k d host_ns ns
+	host_ns="$(rn_netns_of $$)"
+	echo "# processes of the cluster, or in a network namespace not the host's"
 	for p in /proc/[0-9]*; do
-		exe="$(readlink "$p/exe" 2>/dev/null)" || continue
-		case "$exe" in "$RN_STATE"/* | "$RN_CACHE"/*) echo "${p#/proc/} $exe" ;; esac
-	done
+		pid="${p#/proc/}"
+		exe="$(rn_exe "$pid")" || continue
+		ns="$(rn_netns_of "$pid")" || continue
+		case "$exe" in
+		"$RN_STATE"/* | "$RN_CACHE"/*) echo "cluster binary $exe (net:[$ns])" ;;
+		*) [[ "$ns" == "$host_ns" ]] || echo "in network namespace net:[$ns]: $exe" ;;
+		esac
+	done | sort | uniq -c
 	echo "# mounts"
 	awk '{ print $2, $3 }' /proc/self/mounts | sort
 	echo "# network namespaces"

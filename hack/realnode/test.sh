@@ -2,8 +2,10 @@
 # make test-e2e: builds the cluster's binaries (cached), brings the cluster
 # up, installs idemcp, runs the e2e suite (test/realnode, build tag e2e)
 # inside the cluster's network namespace, and tears everything down, also on
-# failure, then checks that the host is as it was (rn_host_state). Prints
-# each phase's time. E2E_RUN=regexp runs only some steps.
+# failure, then checks that the host is as it was (rn_host_state). That
+# check is itself tested first (check-selftest.sh: a leftover it cannot see
+# fails the run). Prints each phase's time. E2E_RUN=regexp runs only some
+# steps.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 # shellcheck source=env.sh
@@ -11,6 +13,7 @@ source "$here/env.sh"
 t0=$(date +%s)
 phase() { rn_log "phase $1: $(($(date +%s) - $2))s"; }
 rn_lock
+"$here/check-selftest.sh"
 t=$(date +%s)
 "$here/build.sh" >/dev/null
 phase build "$t"
@@ -24,7 +27,7 @@ teardown() {
 	phase down "$t"
 	# Nothing the run made may outlive it.
 	if left="$(diff <(echo "$host_before") <(rn_host_state))"; then
-		rn_log "nothing left behind (processes, mounts, network namespaces, nftables, sysctls, cgroups, host directories)"
+		rn_log "nothing left behind (processes of the cluster or in its network namespaces, mounts, network namespaces, nftables, sysctls, cgroups, host directories)"
 	else
 		rn_log "left behind on the host (< before, > after):"
 		echo "$left" >&2

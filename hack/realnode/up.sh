@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Starts the real-node e2e cluster: etcd, kube-apiserver,
 # kube-controller-manager, kube-scheduler, containerd, kubelet, kube-proxy and a
-# small cluster DNS, all inside the network namespace idemcp-e2e that this
-# creates, with the node address on that namespace's loopback, the pod bridge
+# small cluster DNS, all inside a network namespace that this creates
+# (/run/idemcp-e2e/netns), with the node address on that namespace's loopback, the pod bridge
 # idemcp0 and every cluster address inside it, and an nftables rule there
 # dropping anything forwarded out of it. Nothing is added to the host's own
 # interfaces. Then imports the images (hack/realnode/images.sh) and waits for
@@ -10,7 +10,7 @@
 #
 # The admin kubeconfig is /run/idemcp-e2e/admin.kubeconfig; the API server is
 # reachable only inside the namespace:
-#   ip netns exec idemcp-e2e kubectl --kubeconfig /run/idemcp-e2e/admin.kubeconfig get pods -A
+#   nsenter --net=/run/idemcp-e2e/netns kubectl --kubeconfig /run/idemcp-e2e/admin.kubeconfig get pods -A
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 # shellcheck source=env.sh
@@ -22,18 +22,17 @@ phase() { rn_log "$1 ($(($(date +%s) - t0))s)"; }
 rn_lock
 RN_BIN="$("$here/build.sh")"
 phase "binaries ready in $RN_BIN"
-if [[ -e "/run/netns/$RN_NETNS" || -e "$RN_STATE" || -n "$(rn_cgroups)" ]]; then
+if [[ -e "$RN_STATE" || -n "$(rn_cgroups)" ]]; then
 	rn_log "a cluster (or its leftovers) exists: run hack/realnode/down.sh (make e2e-down) first"
 	exit 1
 fi
 # Root's own, made here and now: down.sh acts as root on what it holds.
 mkdir -m 0700 "$RN_STATE"
-mkdir -p "$RN_STATE"/{logs,pids,pki,cni/net.d,cni/ipam,containerd,kubelet,pv/redis,pod-logs}
+mkdir -p "$RN_STATE"/{logs,pids,pki,cni/net.d,cni/ipam,containerd,kubelet,pv/redis,pod-logs,libmount}
 echo "$RN_BIN" >"$RN_STATE/bin"
 # What to restore or remove on teardown.
 for k in $(rn_sysctl_keys); do printf '%s=%s\n' "$k" "$(sysctl -n "$k" 2>/dev/null)"; done >"$RN_STATE/sysctls.saved"
 for p in $RN_HOST_DIRS; do [[ -e $p ]] && echo "$p"; done >"$RN_STATE/preexisting" || true
-[[ -d /run/netns ]] || echo /run/netns >>"$RN_STATE/created-dirs"
 # kubelet's cgroup root, in every hierarchy; a new cpuset needs CPUs and
 # memory nodes before anything can join it.
 awk '($3 == "cgroup" || $3 == "cgroup2") && $2 ~ /^\/sys\/fs\/cgroup(\/|$)/ { print $2 }' /proc/self/mounts | sort -u | while read -r m; do
@@ -46,7 +45,8 @@ done
 
 # The network namespace. There is no dummy driver here, so the node address
 # goes on the namespace's own loopback.
-ip netns add "$RN_NETNS"
+touch "$RN_NETNS_FILE"
+unshare --net="$RN_NETNS_FILE" true
 rn_in ip link set lo up
 rn_in ip addr add "$RN_NODE_IP/32" dev lo
 # Service addresses need a route for the first lookup; kube-proxy's DNAT
@@ -61,7 +61,7 @@ table inet idemcp_e2e_guard {
 	}
 }
 NFT
-phase "network namespace $RN_NETNS"
+phase "network namespace $RN_NETNS_FILE"
 
 "$here/pki.sh"
 phase "certificates"
@@ -69,7 +69,7 @@ phase "certificates"
 start() { # name command...: start a component in the namespace, logging to logs/NAME.log
 	local name="$1"
 	shift
-	setsid nsenter --net="/run/netns/$RN_NETNS" -- "$@" </dev/null >"$RN_STATE/logs/$name.log" 2>&1 8<&- &
+	setsid nsenter --net="$RN_NETNS_FILE" -- "$@" </dev/null >"$RN_STATE/logs/$name.log" 2>&1 8<&- &
 	echo $! >"$RN_STATE/pids/$name.pid"
 }
 wait_for() { # what tries command...
@@ -142,6 +142,10 @@ state = '$RN_STATE/containerd/state'
     stream_server_address = '127.0.0.1'
   [plugins.'io.containerd.nri.v1.nri']
     disable = true
+  # Managed binaries (ctr install); its default, /opt/containerd, is made
+  # at start.
+  [plugins.'io.containerd.internal.v1.opt']
+    path = '$RN_STATE/containerd/opt'
   [plugins.'io.containerd.server.v1.grpc']
     address = '$RN_STATE/containerd/containerd.sock'
   [plugins.'io.containerd.server.v1.ttrpc']
