@@ -78,6 +78,10 @@ type Options struct {
 type Client struct {
 	o   Options
 	log *slog.Logger
+	// order is where the policy enforced stands among the policy's
+	// versions (nil: not known, as for the starting snapshot); only the
+	// goroutine running sessions touches it.
+	order *policywire.Order
 
 	mu        sync.Mutex
 	roots     *x509.CertPool
@@ -375,11 +379,31 @@ func (c *Client) apply(snap *policywire.Snapshot) (restart, nack string) {
 	if p.Name != c.o.Name || p.Namespace != c.o.Namespace {
 		return "", fmt.Sprintf("the snapshot is for policy %s/%s, not %s/%s", p.Namespace, p.Name, c.o.Namespace, c.o.Name)
 	}
+	old := c.o.Engine.Policy()
+	enforced := ""
+	if old != nil {
+		enforced = old.Hash
+	}
+	same := enforced == p.Hash
+	if snap.Order != nil && c.order != nil && policywire.Older(*snap.Order, *c.order) && !same {
+		// A manager replica whose cache is behind, or a policy since
+		// deleted and created again: applying it would undo a change.
+		return "", fmt.Sprintf("policy %s (generation %d of %s) is older than the one this sidecar enforces (%s, generation %d of %s); keeping it",
+			p.Hash, snap.Order.Generation, snap.Order.UID, enforced, c.order.Generation, c.order.UID)
+	}
 	if c.o.StoreIdentity != "" && policywire.StoreIdentity(p.Spec.Store) != c.o.StoreIdentity {
 		restart = "the policy's store changed; this sidecar keeps the store it started with until its pod restarts"
 	}
-	old := c.o.Engine.Policy()
-	if old == nil || old.Hash != p.Hash {
+	switch {
+	case snap.Order == nil:
+		// A manager that does not order its snapshots: what it sends is
+		// applied, and no order is known until one that does.
+		c.order = nil
+	case c.order == nil || !policywire.Older(*snap.Order, *c.order):
+		o := *snap.Order
+		c.order = &o
+	}
+	if !same {
 		// One atomic swap: a call already planned finishes under the
 		// policy it started with, the next one takes this.
 		c.o.Engine.SetPolicy(p)
