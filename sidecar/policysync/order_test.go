@@ -1,9 +1,14 @@
 package policysync
 
 import (
+	"context"
+	"io"
+	"net/http"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/idemcp/idemcp/api/v1alpha1"
@@ -74,4 +79,61 @@ func TestNeverAppliesAnOlderPolicy(t *testing.T) {
 			t.Fatalf("%s: enforcing %s, want %s", s.name, got, enforced.Version)
 		}
 	}
+}
+
+// blockedManager answers the stream with a body the test writes, and
+// never reads the sidecar's reports: a manager that stopped reading.
+type blockedManager struct {
+	mu       sync.Mutex
+	sessions []*io.PipeWriter
+	opened   chan struct{}
+}
+
+func (m *blockedManager) RoundTrip(r *http.Request) (*http.Response, error) {
+	pr, pw := io.Pipe()
+	m.mu.Lock()
+	m.sessions = append(m.sessions, pw)
+	m.mu.Unlock()
+	m.opened <- struct{}{}
+	context.AfterFunc(r.Context(), func() { _ = pw.CloseWithError(r.Context().Err()) })
+	return &http.Response{StatusCode: 200, Body: pr, Header: http.Header{}, Request: r}, nil
+}
+
+// TestReportToAManagerThatStopsReadingIsBounded: after messages that fail
+// to parse, each answered by a report, the reports to a manager that
+// stopped reading them pile up; the session gives up on the manager after
+// the report timeout and connects again, rather than blocking forever.
+func TestReportToAManagerThatStopsReadingIsBounded(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		m := &blockedManager{opened: make(chan struct{}, 16)}
+		c, err := New(Options{Endpoint: "https://manager", Namespace: "shop", Name: "pay",
+			Token: func() (string, error) { return "t", nil }, Engine: newFakeEngine(), Transport: m})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithCancel(t.Context())
+		done := make(chan struct{})
+		go func() {
+			defer close(done)
+			_ = c.Run(ctx)
+		}()
+		<-m.opened
+		m.mu.Lock()
+		body := m.sessions[0]
+		m.mu.Unlock()
+		start := time.Now()
+		go func() {
+			for range 10 {
+				if _, err := io.WriteString(body, "{not json\n"); err != nil {
+					return
+				}
+			}
+		}()
+		<-m.opened // the sidecar gave up on the first session and connected again
+		if d := time.Since(start); d > DefaultReportTimeout+10*time.Second {
+			t.Errorf("the sidecar connected again %v after the manager stopped reading, want about %v", d, DefaultReportTimeout)
+		}
+		cancel()
+		<-done
+	})
 }

@@ -70,9 +70,18 @@ type Options struct {
 	// points at a manager pod that just died waits out the kernel's SYN
 	// retries, about two minutes, before the next attempt.
 	ConnectTimeout, HeaderTimeout time.Duration
+	// ReportTimeout bounds how long a report may wait to be taken by a
+	// manager that stopped reading them (default DefaultReportTimeout):
+	// the stream then ends and the sidecar connects again, rather than
+	// stop reading snapshots for good.
+	ReportTimeout time.Duration
 	// Transport overrides the HTTP transport (tests, benchmarks).
 	Transport http.RoundTripper
 }
+
+// DefaultReportTimeout is Options.ReportTimeout when not set: the
+// manager's own bound on writing a snapshot to a sidecar.
+const DefaultReportTimeout = 10 * time.Second
 
 // Client is a running policy sync.
 type Client struct {
@@ -117,6 +126,7 @@ func New(o Options) (*Client, error) {
 	setDefault(&c.o.RefusedBackoff, time.Minute)
 	setDefault(&c.o.ConnectTimeout, 5*time.Second)
 	setDefault(&c.o.HeaderTimeout, 30*time.Second)
+	setDefault(&c.o.ReportTimeout, DefaultReportTimeout)
 	return c, nil
 }
 
@@ -326,12 +336,32 @@ func (c *Client) session(ctx context.Context) (got bool, err error) {
 	}
 	c.setConnected(true)
 	defer c.setConnected(false)
+	// Every report after the first waits for the writer, which waits for
+	// the manager to read: each wait is bounded, so that a manager that
+	// stopped reading ends the stream instead of stopping this loop.
+	timer := time.NewTimer(c.o.ReportTimeout)
+	defer timer.Stop()
+	send := func(r policywire.Report) error {
+		timer.Reset(c.o.ReportTimeout)
+		select {
+		case reports <- r:
+			return nil
+		case err := <-writeErr:
+			return err
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-timer.C:
+			return fmt.Errorf("the manager took no report for %v; reconnecting", c.o.ReportTimeout)
+		}
+	}
 	sc := bufio.NewScanner(resp.Body)
 	sc.Buffer(make([]byte, 0, 16<<10), policywire.MaxMessageBytes)
 	for sc.Scan() {
 		var snap policywire.Snapshot
 		if err := policywire.Decode(sc.Bytes(), &snap); err != nil {
-			reports <- c.report("", "", err.Error())
+			if err := send(c.report("", "", err.Error())); err != nil {
+				return got, err
+			}
 			continue
 		}
 		got = true
@@ -339,12 +369,8 @@ func (c *Client) session(ctx context.Context) (got bool, err error) {
 			c.log.Info("Trusting the manager's current CA bundle for the next connections")
 		}
 		restart, nack := c.apply(&snap)
-		select {
-		case reports <- c.report(snap.Nonce, restart, nack):
-		case err := <-writeErr:
+		if err := send(c.report(snap.Nonce, restart, nack)); err != nil {
 			return got, err
-		case <-ctx.Done():
-			return got, ctx.Err()
 		}
 	}
 	if err := sc.Err(); err != nil {
