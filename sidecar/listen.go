@@ -149,6 +149,16 @@ type limitConn struct {
 	release func()
 }
 
+// CloseWrite keeps the half close of the connection underneath: net/http
+// closes a connection whose request body it did not read by shutting its
+// write side first, so that the client reads the answer before a reset.
+func (c *limitConn) CloseWrite() error {
+	if cw, ok := c.Conn.(interface{ CloseWrite() error }); ok {
+		return cw.CloseWrite()
+	}
+	return nil
+}
+
 func (c *limitConn) Close() error {
 	err := c.Conn.Close()
 	c.release()

@@ -124,3 +124,46 @@ func TestMaxConnections(t *testing.T) {
 		t.Errorf("maxConnections(0) = %d leaves less than 1024 of the %d open files", got, limit)
 	}
 }
+
+// TestLimitConnHalfCloses: net/http's server ends a connection whose
+// request body it did not read by closing its write side first
+// (CloseWrite, found by a type assertion), so that the client reads the
+// answer before the reset; the bounded listener's connections must still
+// offer it.
+func TestLimitConnHalfCloses(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	l := newLimitListener(ln, "proxy", 0, 0, newConnMetrics(prometheus.NewRegistry()))
+	t.Cleanup(func() { _ = l.Close() })
+	accepted := make(chan net.Conn, 1)
+	go func() {
+		c, err := l.Accept()
+		if err == nil {
+			accepted <- c
+		}
+	}()
+	client := dialFrom(t, "127.0.0.1", ln.Addr().String())
+	c := <-accepted
+	defer func() { _ = c.Close() }()
+	cw, ok := c.(interface{ CloseWrite() error })
+	if !ok {
+		t.Fatal("the listener's connections have no CloseWrite: net/http would close them with a reset")
+	}
+	if err := cw.CloseWrite(); err != nil {
+		t.Fatal(err)
+	}
+	_ = client.SetReadDeadline(time.Now().Add(5 * time.Second))
+	if _, err := client.Read(make([]byte, 1)); err != io.EOF {
+		t.Fatalf("the client read %v after the server's CloseWrite, want EOF", err)
+	}
+	if _, err := io.WriteString(client, "still writing"); err != nil {
+		t.Fatalf("the client cannot write after a half close: %v", err)
+	}
+	buf := make([]byte, 13)
+	_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
+	if _, err := io.ReadFull(c, buf); err != nil || string(buf) != "still writing" {
+		t.Fatalf("the server read %q, %v after its half close", buf, err)
+	}
+}
