@@ -5,6 +5,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/http/httptest"
 	"strings"
 	"testing"
 	"time"
@@ -165,5 +166,31 @@ func TestLimitConnHalfCloses(t *testing.T) {
 	_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
 	if _, err := io.ReadFull(c, buf); err != nil || string(buf) != "still writing" {
 		t.Fatalf("the server read %q, %v after its half close", buf, err)
+	}
+}
+
+// TestReadyzDoesNotShowTheStoreError: the admin port is open to the
+// cluster network, and a store's error names its addresses (and, for
+// some, users): /readyz says whether the store answers, not why not.
+func TestReadyzDoesNotShowTheStoreError(t *testing.T) {
+	s, err := New(Options{Upstream: "http://127.0.0.1:1", LogLevel: "error",
+		Store: StoreOptions{Kind: "redis", RedisAddrs: "127.0.0.1:1", RedisKeyPrefix: "idemcp:t:"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = s.store.Close() }()
+	srv := httptest.NewServer(s.AdminHandler())
+	defer srv.Close()
+	resp, err := http.Get(srv.URL + "/readyz")
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	_ = resp.Body.Close()
+	if resp.StatusCode != 200 || !strings.Contains(string(body), "store=unreachable") {
+		t.Fatalf("/readyz with the store down: %d %q, want 200 saying the store is unreachable", resp.StatusCode, body)
+	}
+	if strings.Contains(string(body), "127.0.0.1:1") || strings.Contains(string(body), "dial") {
+		t.Fatalf("/readyz shows the store's error: %q", body)
 	}
 }
