@@ -17,6 +17,7 @@ import (
 	"net/url"
 	"os"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -64,6 +65,9 @@ type LimitOptions struct {
 	MaxWaitersPerPrincipal int
 	MaxStreamsPerPrincipal int
 	MaxStreams             int
+	// MaxConnections bounds the proxy's client connections (0: the
+	// default of maxConnections).
+	MaxConnections int
 }
 
 // Flags registers the limit flags on fs.
@@ -72,7 +76,28 @@ func (o *LimitOptions) Flags(fs *flag.FlagSet) {
 	fs.IntVar(&o.MaxWaitersPerPrincipal, "max-waiters-per-principal", engine.DefaultMaxWaitersPerPrincipal, "most duplicates one principal has waiting at once for calls in flight (callers with no principal count as one); more get error -32017 (negative: no bound)")
 	fs.IntVar(&o.MaxStreamsPerPrincipal, "max-streams-per-principal", httpproxy.DefaultMaxStreamsPerPrincipal, "most requests and streams one principal holds open at once (callers with no principal count as one); more get HTTP 429 (negative: no bound)")
 	fs.IntVar(&o.MaxStreams, "max-streams", httpproxy.DefaultMaxStreams, "most requests and streams the sidecar holds open at once; more get HTTP 503 (negative: no bound)")
+	fs.IntVar(&o.MaxConnections, "max-connections", 0, "most client connections the proxy port holds at once; more are answered 503 and closed (0: 20000, or the open-file limit less 1024 if that is lower; negative: no bound)")
 }
+
+// maxConnections is the proxy's connection bound for --max-connections
+// n: under the open-file limit, with room left for the connections to
+// the MCP server and the store, so that a flood of clients never makes
+// the sidecar unable to reach them.
+func maxConnections(n int) int {
+	if n != 0 {
+		return n
+	}
+	n = DefaultMaxConnections
+	if limit := openFileLimit(); limit > 0 && limit < uint64(n)+1024 {
+		n = max(256, int(limit)-1024)
+	}
+	return n
+}
+
+// DefaultMaxConnections is --max-connections when the open-file limit
+// allows it: more than --max-streams, since each HTTP/1 stream holds a
+// connection.
+const DefaultMaxConnections = 20000
 
 // StoreOptions choose and reach the store; `idemcp sidecar` and
 // `idemcp wrap` share them.
@@ -206,6 +231,8 @@ type Sidecar struct {
 	handler   http.Handler
 	lister    *toollist.Lister
 	registry  *prometheus.Registry
+	conns     *connMetrics
+	storeDown atomic.Bool
 }
 
 // New checks the options, loads the policy and builds the store.
@@ -274,6 +301,7 @@ func New(o Options) (*Sidecar, error) {
 		store:     st,
 		storeInfo: info,
 		registry:  reg,
+		conns:     newConnMetrics(reg),
 		proxy:     proxy,
 		handler:   lh.Watch(proxy),
 		lister:    lister,
@@ -431,12 +459,20 @@ func (s *Sidecar) AdminHandler() http.Handler {
 	mux.HandleFunc("/readyz", func(w http.ResponseWriter, r *http.Request) {
 		// A store outage is not a reason to pull the pod from its Service:
 		// passthrough traffic still works, and onStoreUnavailable decides
-		// for deduplicated calls. The body says how the store is.
+		// for deduplicated calls. The body says how the store is, not
+		// why: the admin port is open to the cluster network, and a
+		// store's error names its addresses and users. The cause goes to
+		// the log, once each time the store is lost.
 		ctx, cancel := context.WithTimeout(r.Context(), time.Second)
 		defer cancel()
 		state := "reachable"
 		if err := s.store.Ping(ctx); err != nil {
-			state = "unreachable (" + err.Error() + ")"
+			state = "unreachable"
+			if !s.storeDown.Swap(true) {
+				s.log.Warn("Store unreachable", append([]any{"err", err.Error()}, s.storeInfo.LogAttrs()...)...)
+			}
+		} else if s.storeDown.Swap(false) {
+			s.log.Info("Store reachable again", s.storeInfo.LogAttrs()...)
 		}
 		_, _ = fmt.Fprintf(w, "ok policy=%s store=%s\n", s.engine.Policy().Hash, state)
 	})
@@ -454,16 +490,18 @@ func (s *Sidecar) Run(ctx context.Context) error {
 	listCtx, stopListing := context.WithCancel(ctx)
 	defer stopListing()
 	s.lister.Start(listCtx)
-	servers := []*http.Server{{Handler: withBodyDeadline(bodyReadTimeout, s.handler), ReadHeaderTimeout: 10 * time.Second, IdleTimeout: idleTimeout}}
-	listeners := []net.Listener{ln}
+	// No ReadTimeout or WriteTimeout on the proxy: they would cut SSE
+	// streams. Request bodies have their own deadline (withBodyDeadline).
+	servers := []*http.Server{{Handler: withBodyDeadline(bodyReadTimeout, s.handler), ReadHeaderTimeout: proxyReadHeaderTimeout, IdleTimeout: idleTimeout}}
+	listeners := []net.Listener{newLimitListener(ln, "proxy", maxConnections(s.opts.Limits.MaxConnections), 0, s.conns)}
 	if s.opts.AdminListen != "" {
 		aln, err := net.Listen("tcp", s.opts.AdminListen)
 		if err != nil {
 			_ = ln.Close()
 			return fmt.Errorf("--admin-listen: %w", err)
 		}
-		servers = append(servers, &http.Server{Handler: s.AdminHandler(), ReadHeaderTimeout: 10 * time.Second})
-		listeners = append(listeners, aln)
+		servers = append(servers, adminServer(s.AdminHandler()))
+		listeners = append(listeners, newLimitListener(aln, "admin", adminMaxConns, adminMaxConnsPerClient, s.conns))
 	}
 	admin := "off"
 	if len(listeners) > 1 {

@@ -130,6 +130,7 @@ type policyState struct {
 type snapshot struct {
 	version string
 	policy  *v1alpha1.IdempotencyPolicy
+	order   policywire.Order
 }
 
 // encodedSnapshot is a snapshot as it goes on the wire, encoded once for
@@ -137,21 +138,23 @@ type snapshot struct {
 // a NACK is matched to what the stream was sent.
 type encodedSnapshot struct {
 	version, ca, nonce string
+	order              policywire.Order
 	line               []byte
 }
 
 // encoded returns st's snapshot with ca, encoding it if it changed; the
 // caller holds Server.mu.
 func (st *policyState) encoded(ca string, nonces *atomic.Uint64) (*encodedSnapshot, error) {
-	if e := st.enc; e != nil && e.version == st.snap.version && e.ca == ca {
+	if e := st.enc; e != nil && e.version == st.snap.version && e.ca == ca && e.order.Equal(st.snap.order) {
 		return e, nil
 	}
 	nonce := strconv.FormatUint(nonces.Add(1), 10)
-	line, err := json.Marshal(policywire.Snapshot{Version: st.snap.version, Nonce: nonce, Policy: st.snap.policy, CABundle: ca})
+	order := st.snap.order
+	line, err := json.Marshal(policywire.Snapshot{Version: st.snap.version, Nonce: nonce, Policy: st.snap.policy, CABundle: ca, Order: &order})
 	if err != nil {
 		return nil, err
 	}
-	st.enc = &encodedSnapshot{version: st.snap.version, ca: ca, nonce: nonce, line: append(line, '\n')}
+	st.enc = &encodedSnapshot{version: st.snap.version, ca: ca, nonce: nonce, order: order, line: append(line, '\n')}
 	return st.enc, nil
 }
 
@@ -163,6 +166,7 @@ type stream struct {
 	cancel context.CancelFunc
 
 	sentVersion string
+	sentOrder   policywire.Order
 	sentCA      string
 	lastNonce   string
 	report      policywire.Report
@@ -366,7 +370,11 @@ func (s *Server) state(key types.NamespacedName) *policyState {
 }
 
 // observePolicy takes a policy from the cache or a fresh read; an older
-// generation than the one known never replaces it.
+// one than the one known (an earlier generation, or a policy deleted and
+// created again since, whose last events come after the fresh read of
+// the new one) never replaces it. A newer generation of the same spec
+// moves the snapshot's order on: a sidecar that refused an older one from
+// another replica must get it.
 func (s *Server) observePolicy(o any) {
 	p, ok := o.(*v1alpha1.IdempotencyPolicy)
 	if !ok {
@@ -374,20 +382,27 @@ func (s *Server) observePolicy(o any) {
 	}
 	compiled, err := policy.Compile(p.Spec)
 	key := types.NamespacedName{Namespace: p.Namespace, Name: p.Name}
+	order := policywire.Order{UID: string(p.UID), Created: p.CreationTimestamp.Time, Generation: p.Generation}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	st := s.state(key)
 	st.dirty = true
-	if p.Generation < st.generation || err != nil {
+	if err != nil || (st.snap != nil && policywire.Older(order, st.snap.order)) || (st.snap == nil && p.Generation < st.generation) {
 		// A spec that does not compile is the reconciler's to report
 		// (InvalidSpec); sidecars keep the last good one.
 		return
 	}
 	st.generation = p.Generation
 	if st.snap != nil && st.snap.version == compiled.Hash {
+		if !st.snap.order.Equal(order) {
+			st.snap = &snapshot{version: st.snap.version, policy: st.snap.policy, order: order}
+			for c := range st.streams {
+				poke(c.notify)
+			}
+		}
 		return
 	}
-	st.snap = &snapshot{version: compiled.Hash, policy: &v1alpha1.IdempotencyPolicy{
+	st.snap = &snapshot{version: compiled.Hash, order: order, policy: &v1alpha1.IdempotencyPolicy{
 		TypeMeta:   p.TypeMeta,
 		ObjectMeta: objectMeta(p),
 		Spec:       compiled.Spec,
@@ -563,7 +578,7 @@ func (s *Server) serveStream(w http.ResponseWriter, r *http.Request) {
 		}
 		s.mu.Lock()
 		snap, ca := st.snap, *s.ca.Load()
-		send := snap != nil && (snap.version != c.sentVersion || ca != c.sentCA)
+		send := snap != nil && (snap.version != c.sentVersion || !snap.order.Equal(c.sentOrder) || ca != c.sentCA)
 		var line []byte
 		if send {
 			enc, err := st.encoded(ca, &s.nonce)
@@ -572,7 +587,7 @@ func (s *Server) serveStream(w http.ResponseWriter, r *http.Request) {
 				logger.Error(err, "Encoding a snapshot failed")
 				return
 			}
-			c.sentVersion, c.sentCA, c.lastNonce = snap.version, ca, enc.nonce
+			c.sentVersion, c.sentOrder, c.sentCA, c.lastNonce = snap.version, snap.order, ca, enc.nonce
 			line = enc.line
 		}
 		s.mu.Unlock()

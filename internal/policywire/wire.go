@@ -15,6 +15,7 @@ package policywire
 import (
 	"encoding/json"
 	"fmt"
+	"time"
 
 	"github.com/idemcp/idemcp/api/v1alpha1"
 )
@@ -50,6 +51,40 @@ type Snapshot struct {
 	// with: the sidecar adds it to the bundle it got at injection, so a CA
 	// rotation does not cut it off.
 	CABundle string `json:"caBundle,omitempty"`
+	// Order places this Snapshot among the versions of the policy: a
+	// sidecar never replaces a policy with one Older than it (a manager
+	// replica whose cache is behind, or a late snapshot of a policy since
+	// deleted and created again). Nil from managers before it was added:
+	// such a Snapshot is applied as it comes.
+	Order *Order `json:"order,omitempty"`
+}
+
+// Order is where a policy's spec stands in its history: the object (its
+// UID and creation time) and its metadata.generation, which the API
+// server raises with every change of the spec and never with a status
+// write. The resourceVersion is not used: every status write raises it,
+// so ordering by it would mean sending every sidecar a snapshot for each.
+type Order struct {
+	UID        string    `json:"uid"`
+	Created    time.Time `json:"created"`
+	Generation int64     `json:"generation"`
+}
+
+// Equal reports whether a and b are the same place in a policy's history.
+func (a Order) Equal(b Order) bool {
+	return a.UID == b.UID && a.Generation == b.Generation && a.Created.Equal(b.Created)
+}
+
+// Older reports whether a is known to come before b: an earlier
+// generation of the same object, or any generation of an object created
+// before b's (b's policy was deleted and created again since). Objects of
+// different UIDs created in the same second cannot be told apart: neither
+// is Older.
+func Older(a, b Order) bool {
+	if a.UID == b.UID {
+		return a.Generation < b.Generation
+	}
+	return a.Created.Before(b.Created)
 }
 
 // Report is the sidecar's answer, sidecar to manager.

@@ -182,8 +182,26 @@ type ctxKey int
 
 const toolsListKey ctxKey = 0
 
+// allowedMethods are the methods MCP's transports use: POST, GET and
+// DELETE (Streamable HTTP and legacy SSE), and OPTIONS, the CORS preflight
+// a browser client sends first, which only the MCP server can answer.
+const allowedMethods = "GET, POST, DELETE, OPTIONS"
+
 // ServeHTTP implements http.Handler.
 func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	switch r.Method {
+	case http.MethodGet, http.MethodPost, http.MethodDelete, http.MethodOptions:
+	default:
+		// Nothing else is an MCP request, and none is forwarded: CONNECT
+		// would ask the server for a tunnel, TRACE would echo the
+		// caller's headers back, and a server's router may treat PUT or
+		// HEAD like POST or GET behind the dedup's back.
+		w.Header().Set("Allow", allowedMethods)
+		w.Header().Set("Connection", "close")
+		writeError(w, r, http.StatusMethodNotAllowed, nil, mcpmsg.CodeInvalidRequest,
+			fmt.Sprintf("method %s is not used by MCP; the idemcp sidecar takes %s", r.Method, allowedMethods))
+		return
+	}
 	release, ok := p.admit(w, r)
 	if !ok {
 		return

@@ -70,14 +70,27 @@ type Options struct {
 	// points at a manager pod that just died waits out the kernel's SYN
 	// retries, about two minutes, before the next attempt.
 	ConnectTimeout, HeaderTimeout time.Duration
+	// ReportTimeout bounds how long a report may wait to be taken by a
+	// manager that stopped reading them (default DefaultReportTimeout):
+	// the stream then ends and the sidecar connects again, rather than
+	// stop reading snapshots for good.
+	ReportTimeout time.Duration
 	// Transport overrides the HTTP transport (tests, benchmarks).
 	Transport http.RoundTripper
 }
+
+// DefaultReportTimeout is Options.ReportTimeout when not set: the
+// manager's own bound on writing a snapshot to a sidecar.
+const DefaultReportTimeout = 10 * time.Second
 
 // Client is a running policy sync.
 type Client struct {
 	o   Options
 	log *slog.Logger
+	// order is where the policy enforced stands among the policy's
+	// versions (nil: not known, as for the starting snapshot); only the
+	// goroutine running sessions touches it.
+	order *policywire.Order
 
 	mu        sync.Mutex
 	roots     *x509.CertPool
@@ -113,6 +126,7 @@ func New(o Options) (*Client, error) {
 	setDefault(&c.o.RefusedBackoff, time.Minute)
 	setDefault(&c.o.ConnectTimeout, 5*time.Second)
 	setDefault(&c.o.HeaderTimeout, 30*time.Second)
+	setDefault(&c.o.ReportTimeout, DefaultReportTimeout)
 	return c, nil
 }
 
@@ -322,12 +336,32 @@ func (c *Client) session(ctx context.Context) (got bool, err error) {
 	}
 	c.setConnected(true)
 	defer c.setConnected(false)
+	// Every report after the first waits for the writer, which waits for
+	// the manager to read: each wait is bounded, so that a manager that
+	// stopped reading ends the stream instead of stopping this loop.
+	timer := time.NewTimer(c.o.ReportTimeout)
+	defer timer.Stop()
+	send := func(r policywire.Report) error {
+		timer.Reset(c.o.ReportTimeout)
+		select {
+		case reports <- r:
+			return nil
+		case err := <-writeErr:
+			return err
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-timer.C:
+			return fmt.Errorf("the manager took no report for %v; reconnecting", c.o.ReportTimeout)
+		}
+	}
 	sc := bufio.NewScanner(resp.Body)
 	sc.Buffer(make([]byte, 0, 16<<10), policywire.MaxMessageBytes)
 	for sc.Scan() {
 		var snap policywire.Snapshot
 		if err := policywire.Decode(sc.Bytes(), &snap); err != nil {
-			reports <- c.report("", "", err.Error())
+			if err := send(c.report("", "", err.Error())); err != nil {
+				return got, err
+			}
 			continue
 		}
 		got = true
@@ -335,12 +369,8 @@ func (c *Client) session(ctx context.Context) (got bool, err error) {
 			c.log.Info("Trusting the manager's current CA bundle for the next connections")
 		}
 		restart, nack := c.apply(&snap)
-		select {
-		case reports <- c.report(snap.Nonce, restart, nack):
-		case err := <-writeErr:
+		if err := send(c.report(snap.Nonce, restart, nack)); err != nil {
 			return got, err
-		case <-ctx.Done():
-			return got, ctx.Err()
 		}
 	}
 	if err := sc.Err(); err != nil {
@@ -375,11 +405,31 @@ func (c *Client) apply(snap *policywire.Snapshot) (restart, nack string) {
 	if p.Name != c.o.Name || p.Namespace != c.o.Namespace {
 		return "", fmt.Sprintf("the snapshot is for policy %s/%s, not %s/%s", p.Namespace, p.Name, c.o.Namespace, c.o.Name)
 	}
+	old := c.o.Engine.Policy()
+	enforced := ""
+	if old != nil {
+		enforced = old.Hash
+	}
+	same := enforced == p.Hash
+	if snap.Order != nil && c.order != nil && policywire.Older(*snap.Order, *c.order) && !same {
+		// A manager replica whose cache is behind, or a policy since
+		// deleted and created again: applying it would undo a change.
+		return "", fmt.Sprintf("policy %s (generation %d of %s) is older than the one this sidecar enforces (%s, generation %d of %s); keeping it",
+			p.Hash, snap.Order.Generation, snap.Order.UID, enforced, c.order.Generation, c.order.UID)
+	}
 	if c.o.StoreIdentity != "" && policywire.StoreIdentity(p.Spec.Store) != c.o.StoreIdentity {
 		restart = "the policy's store changed; this sidecar keeps the store it started with until its pod restarts"
 	}
-	old := c.o.Engine.Policy()
-	if old == nil || old.Hash != p.Hash {
+	switch {
+	case snap.Order == nil:
+		// A manager that does not order its snapshots: what it sends is
+		// applied, and no order is known until one that does.
+		c.order = nil
+	case c.order == nil || !policywire.Older(*snap.Order, *c.order):
+		o := *snap.Order
+		c.order = &o
+	}
+	if !same {
 		// One atomic swap: a call already planned finishes under the
 		// policy it started with, the next one takes this.
 		c.o.Engine.SetPolicy(p)

@@ -259,7 +259,9 @@ const (
 // reserveSQL claims $1 in one statement. The INSERT takes the key when it
 // is free, expired, (with $6) abandoned by a claim of the same
 // fingerprint (a claim of other arguments is never taken over), or a
-// result whose response is exactly $7 (Claim.Discard; NULL: none); its ON CONFLICT ... WHERE is
+// result whose response is exactly $7 (Claim.Discard; NULL: none; a NULL
+// response, which only another writer makes, counts as empty, as Reserve
+// reports it and as Redis treats a missing field); its ON CONFLICT ... WHERE is
 // checked against the latest committed row while holding its lock, so of
 // concurrent claims exactly one wins. When it does not take the key, the
 // second branch reports what holds it, as the statement's snapshot saw it.
@@ -277,13 +279,13 @@ WITH ins AS (
   WHERE NOT EXISTS (
     SELECT 1 FROM idemcp_records c WHERE c.key = $1::text AND c.expires_at > now()
       AND NOT (($6::boolean AND NOT c.completed AND c.lease_until <= now() AND c.fingerprint = $2::text)
-        OR (c.completed AND coalesce(c.response = $7::bytea, false))))
+        OR (c.completed AND coalesce(coalesce(c.response, ''::bytea) = $7::bytea, false))))
   ON CONFLICT (key) DO UPDATE SET
     fingerprint = excluded.fingerprint, owner = excluded.owner, completed = false, response = NULL,
     lease_until = excluded.lease_until, expires_at = excluded.expires_at, waited = false,
     took_over = r.expires_at > now() AND NOT r.completed
   WHERE r.expires_at <= now() OR ($6::boolean AND NOT r.completed AND r.lease_until <= now() AND r.fingerprint = $2::text)
-    OR (r.completed AND coalesce(r.response = $7::bytea, false))
+    OR (r.completed AND coalesce(coalesce(r.response, ''::bytea) = $7::bytea, false))
   RETURNING r.took_over
 )
 SELECT 1, '', NULL::bytea, took_over FROM ins

@@ -206,3 +206,53 @@ func queryInt(t *testing.T, url, sql string) int {
 	}
 	return n
 }
+
+// TestNullResponseReplaced: a completed row whose response is NULL (any
+// writer to the database can make one) reads as an empty result, as in
+// Redis, and a claim that discards the empty result replaces it. Before,
+// `response = $7` was NULL for such a row: no claim could ever replace it,
+// and a sealed store answered "store unavailable" for the key until the
+// row expired.
+func TestNullResponseReplaced(t *testing.T) {
+	srv := pgtest.Start(t)
+	p := prefix(t)
+	s := newStore(t, pgstore.Options{URL: srv.URL, Prefix: p})
+	ctx := context.Background()
+	if err := s.Ping(ctx); err != nil {
+		t.Fatal(err)
+	}
+	plant := func(key string) {
+		pgtest.Exec(t, srv.URL, `INSERT INTO idemcp_records (key, fingerprint, owner, completed, response, expires_at)
+VALUES ($1::text, 'f', 'writer', true, NULL, now() + interval '1 hour')`, p+key)
+	}
+
+	plant("raw")
+	r, err := s.Reserve(ctx, store.Claim{Key: "raw", Fingerprint: "f", Owner: "o1", Lease: time.Minute})
+	if err != nil || r.State != store.Completed || r.Response == nil || len(r.Response) != 0 {
+		t.Fatalf("Reserve of a NULL response = %v %q, %v; want completed with an empty response", r.State, r.Response, err)
+	}
+	r, err = s.Reserve(ctx, store.Claim{Key: "raw", Fingerprint: "f", Owner: "o2", Lease: time.Minute, Discard: []byte{}})
+	if err != nil || r.State != store.Won {
+		t.Fatalf("Reserve discarding the empty result = %v, %v; want won", r.State, err)
+	}
+
+	key := make([]byte, store.SealKeyBytes)
+	_, _ = rand.Read(key)
+	ring, err := store.NewKeyring(key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sealed := store.Seal(s, store.SealOptions{Keyring: ring, Context: p})
+	plant("sealed")
+	r, err = sealed.Reserve(ctx, store.Claim{Key: "sealed", Fingerprint: "f", Owner: "o3", Lease: time.Minute})
+	if err != nil || r.State != store.Won {
+		t.Fatalf("sealed Reserve over a NULL response = %v, %v; want won (the row counts as absent)", r.State, err)
+	}
+	if err := sealed.Complete(ctx, "sealed", "o3", []byte("fresh"), time.Minute); err != nil {
+		t.Fatal(err)
+	}
+	r, err = sealed.Reserve(ctx, store.Claim{Key: "sealed", Fingerprint: "f", Owner: "o4", Lease: time.Minute})
+	if err != nil || r.State != store.Completed || string(r.Response) != "fresh" {
+		t.Fatalf("after the replacement: %v %q, %v; want the new result", r.State, r.Response, err)
+	}
+}
