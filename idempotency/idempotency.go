@@ -35,9 +35,12 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"log/slog"
+	"runtime/debug"
 	"sync"
 	"time"
 
+	"github.com/idemcp/idemcp/internal/claim"
 	"github.com/idemcp/idemcp/sidecar/store"
 	pgstore "github.com/idemcp/idemcp/sidecar/store/postgres"
 	redisstore "github.com/idemcp/idemcp/sidecar/store/redis"
@@ -87,10 +90,12 @@ var (
 
 // Options tune a Group. Zero values take the defaults.
 type Options struct {
-	// TTL is how long a result is kept and replayed (default 24h).
+	// TTL is how long a result is kept and replayed (default 24h, at least
+	// MinTTL).
 	TTL time.Duration
-	// Lease is how long a claim lives without renewal (default 30s); it is
-	// renewed every third of it while fn runs.
+	// Lease is how long a claim lives without renewal (default 30s, at
+	// least MinLease); it is renewed every third of it while fn runs, and a
+	// renewal that fails is retried at once, with backoff.
 	Lease time.Duration
 	// WaitTimeout bounds how long a duplicate waits for the first call
 	// (default 30s; negative: do not wait, fail with ErrInFlight).
@@ -101,13 +106,42 @@ type Options struct {
 	// FailOpen runs fn without deduplication when the store cannot be
 	// reached, instead of failing with ErrStoreUnavailable.
 	FailOpen bool
+	// Logger gets the Group's warnings: renewals that fail, results that
+	// could not be kept, claims taken over, panics in fn (nil:
+	// slog.Default()).
+	Logger *slog.Logger
+}
+
+// Bounds Options.Validate checks.
+const (
+	// MinLease is the shortest Lease: a lease shorter than a few store
+	// round trips would lapse under a call that still runs.
+	MinLease = 100 * time.Millisecond
+	// MinTTL is the shortest TTL (stores keep time in milliseconds).
+	MinTTL = time.Millisecond
+)
+
+// Validate reports the first option out of its range, naming it and the
+// values it accepts. NewGroup calls it: a Group with invalid options runs
+// nothing and answers every Do with this error.
+func (o Options) Validate() error {
+	switch {
+	case o.TTL < 0 || o.TTL > 0 && o.TTL < MinTTL:
+		return fmt.Errorf("idempotency: Options.TTL is %s; use 0 for the default (24h) or a TTL of at least %s", o.TTL, MinTTL)
+	case o.Lease < 0 || o.Lease > 0 && o.Lease < MinLease:
+		return fmt.Errorf("idempotency: Options.Lease is %s; use 0 for the default (30s) or a lease of at least %s", o.Lease, MinLease)
+	}
+	return nil
 }
 
 // Group deduplicates calls by key. It is safe for concurrent use.
 type Group struct {
-	store Store
-	opts  Options
-	owner string
+	claims *claim.Protocol
+	opts   Options
+	owner  string
+	log    *slog.Logger
+	// invalid is why the Group runs nothing (Options.Validate, or no store).
+	invalid error
 
 	mu      sync.Mutex
 	flights map[string]*flight
@@ -121,18 +155,34 @@ type flight struct {
 	err         error
 }
 
-// NewGroup returns a Group keeping its records in s.
+// NewGroup returns a Group keeping its records in s. If s is nil or o is
+// invalid (see Options.Validate), every Do returns an error saying so.
 func NewGroup(s Store, o Options) *Group {
-	if o.TTL <= 0 {
+	g := &Group{owner: rand.Text(), flights: make(map[string]*flight), log: o.Logger, invalid: o.Validate()}
+	if s == nil && g.invalid == nil {
+		g.invalid = errors.New("idempotency: NewGroup was given no Store; use NewMemoryStore, NewRedisStore or NewPostgresStore")
+	}
+	if o.TTL == 0 {
 		o.TTL = 24 * time.Hour
 	}
-	if o.Lease <= 0 {
+	if o.Lease == 0 {
 		o.Lease = 30 * time.Second
 	}
 	if o.WaitTimeout == 0 {
 		o.WaitTimeout = 30 * time.Second
 	}
-	return &Group{store: s, opts: o, owner: rand.Text(), flights: make(map[string]*flight)}
+	if g.log == nil {
+		g.log = slog.Default()
+	}
+	g.opts = o
+	g.claims = claim.New(claim.Options{
+		Store: s,
+		Log:   g.log,
+		Panicked: func(where string, v any) {
+			g.log.Error("Recovered from a panic; the process goes on", "where", where, "panic", fmt.Sprint(v), "stack", string(debug.Stack()))
+		},
+	})
+	return g
 }
 
 // hash keeps raw keys and fingerprints out of the store.
@@ -145,16 +195,44 @@ func hash(parts ...string) string {
 	return hex.EncodeToString(h.Sum(nil))
 }
 
+// PanicError is what Do returns when fn panicked. Whatever fn did before,
+// its outcome is unknown: the claim is neither kept as a result nor
+// released, it lapses when its lease runs out, and then OnAbandoned
+// decides what the next call gets (fn runs again, or ErrOutcomeUnknown).
+// It matches ErrOutcomeUnknown with errors.Is.
+type PanicError struct {
+	// Value is what fn panicked with.
+	Value any
+	// Stack is the stack of the panicking goroutine.
+	Stack []byte
+}
+
+func (e *PanicError) Error() string {
+	return fmt.Sprintf("idempotency: fn panicked (%v), so its outcome is unknown", e.Value)
+}
+
+// Unwrap makes a PanicError match ErrOutcomeUnknown.
+func (e *PanicError) Unwrap() error { return ErrOutcomeUnknown }
+
 // Do runs fn once for key and returns its result; every later call with
 // the same key and fingerprint, in this process or another sharing the
 // store, gets that result with replayed true, for the TTL. The
 // fingerprint identifies what fn does (a hash of its arguments): a key
 // reused with another fingerprint gets ErrConflict.
 //
+// fn runs on a context that ctx's cancel does not reach: once fn may have
+// had its effect, the caller going away must not make a retry run it
+// again. If ctx ends while fn runs, Do returns ctx's error at once, and
+// fn's result is still kept for the retry (Drain waits for such calls).
+//
 // fn's error is returned as is and nothing is kept, so the next call runs
-// fn again. Do's own errors wrap ErrConflict, ErrInFlight,
-// ErrOutcomeUnknown or ErrStoreUnavailable, or are ctx's.
+// fn again. A panic in fn is returned as a *PanicError. Do's own errors
+// wrap ErrConflict, ErrInFlight, ErrOutcomeUnknown or ErrStoreUnavailable,
+// or are ctx's.
 func (g *Group) Do(ctx context.Context, key, fingerprint string, fn func(ctx context.Context) ([]byte, error)) (value []byte, replayed bool, err error) {
+	if g.invalid != nil {
+		return nil, false, g.invalid
+	}
 	if key == "" {
 		return nil, false, errors.New("idempotency: empty key")
 	}
@@ -172,15 +250,7 @@ func (g *Group) Do(ctx context.Context, key, fingerprint string, fn func(ctx con
 			f = &flight{fingerprint: sfp, done: make(chan struct{})}
 			g.flights[skey] = f
 			g.mu.Unlock()
-			f.value, replayed, f.err = g.claim(ctx, skey, sfp, fn)
-			if errors.Is(f.err, ErrConflict) || errors.Is(f.err, ErrInFlight) || errors.Is(f.err, ErrOutcomeUnknown) {
-				f.err = fmt.Errorf("key %q: %w", key, f.err)
-			}
-			g.mu.Lock()
-			delete(g.flights, skey)
-			g.mu.Unlock()
-			close(f.done)
-			return f.value, replayed, f.err
+			return g.lead(ctx, f, key, skey, sfp, fn)
 		}
 		g.mu.Unlock()
 		// A call with this key runs in this process: wait for it here.
@@ -203,8 +273,27 @@ func (g *Group) Do(ctx context.Context, key, fingerprint string, fn func(ctx con
 		if errors.Is(f.err, ErrConflict) || errors.Is(f.err, ErrOutcomeUnknown) {
 			return nil, false, f.err
 		}
-		// The first call failed and kept nothing: try again.
+		// The first call failed and kept nothing (or its caller went away
+		// while it runs on): try again, through the store.
 	}
+}
+
+// lead runs the store's side of a call for this process, and hands its
+// outcome to the calls of this process that wait for it.
+func (g *Group) lead(ctx context.Context, f *flight, key, skey, sfp string, fn func(context.Context) ([]byte, error)) (value []byte, replayed bool, err error) {
+	defer func() {
+		// Whatever happened, the key is free in this process again.
+		f.value, f.err = value, err
+		g.mu.Lock()
+		delete(g.flights, skey)
+		g.mu.Unlock()
+		close(f.done)
+	}()
+	value, replayed, err = g.claim(ctx, skey, sfp, fn)
+	if errors.Is(err, ErrConflict) || errors.Is(err, ErrInFlight) || errors.Is(err, ErrOutcomeUnknown) {
+		err = fmt.Errorf("key %q: %w", key, err)
+	}
+	return value, replayed, err
 }
 
 // claim runs the store's side: reserve, wait for another process's claim,
@@ -213,105 +302,93 @@ func (g *Group) claim(ctx context.Context, key, fp string, fn func(context.Conte
 	owner := g.owner + "-" + rand.Text()
 	c := store.Claim{Key: key, Fingerprint: fp, Owner: owner, Lease: g.opts.Lease,
 		Retention: max(g.opts.TTL, g.opts.Lease), TakeOver: !g.opts.AbandonedError}
-	waitCtx := ctx
-	if g.opts.WaitTimeout > 0 {
-		var cancel context.CancelFunc
-		waitCtx, cancel = context.WithTimeout(ctx, g.opts.WaitTimeout)
-		defer cancel()
-	}
-	for {
-		r, err := g.store.Reserve(ctx, c)
-		if err != nil {
-			if ctx.Err() != nil {
-				return nil, false, ctx.Err()
-			}
-			go g.releaseQuietly(key, owner) // it may have applied
-			if g.opts.FailOpen {
-				v, err := fn(ctx)
-				return v, false, err
-			}
-			return nil, false, fmt.Errorf("idempotency: %w", err)
+	r, err := g.claims.Reserve(ctx, c, claim.Waits{Timeout: g.opts.WaitTimeout, Reject: g.opts.WaitTimeout < 0})
+	var unavailable *claim.UnavailableError
+	switch {
+	case err == nil:
+	case errors.As(err, &unavailable):
+		if unavailable.Held {
+			// Another process holds the key: never run fn beside it.
+			return nil, false, fmt.Errorf("%w: the store became unreachable while waiting: %w", ErrInFlight, unavailable.Err)
 		}
-		if r.State != store.Won && r.Fingerprint != fp {
-			return nil, false, ErrConflict
+		if g.opts.FailOpen {
+			v, err := fn(ctx)
+			return v, false, err
 		}
-		switch r.State {
-		case store.Won:
-			return g.run(ctx, key, owner, fn)
-		case store.Completed:
-			return r.Response, true, nil
-		case store.Abandoned:
-			return nil, false, ErrOutcomeUnknown
-		case store.Pending:
-			if g.opts.WaitTimeout < 0 {
-				return nil, false, ErrInFlight
-			}
-			if err := g.store.Wait(waitCtx, key); err != nil {
-				if ctx.Err() != nil {
-					return nil, false, ctx.Err()
-				}
-				if waitCtx.Err() != nil {
-					return nil, false, fmt.Errorf("%w after waiting %s", ErrInFlight, g.opts.WaitTimeout)
-				}
-				return nil, false, fmt.Errorf("%w: the store became unreachable while waiting: %w", ErrInFlight, err)
-			}
-		}
-	}
-}
-
-// run calls fn under a claim this owner holds, renewing its lease, and
-// keeps the result or releases the claim.
-func (g *Group) run(ctx context.Context, key, owner string, fn func(context.Context) ([]byte, error)) ([]byte, bool, error) {
-	renewCtx, stopRenew := context.WithCancel(context.WithoutCancel(ctx))
-	go func() {
-		t := time.NewTicker(g.opts.Lease / 3)
-		defer t.Stop()
-		for {
-			select {
-			case <-renewCtx.Done():
-				return
-			case <-t.C:
-				if errors.Is(g.store.Renew(renewCtx, key, owner, g.opts.Lease), store.ErrNotOwner) {
-					return
-				}
-			}
-		}
-	}()
-	defer stopRenew()
-	v, err := fn(ctx)
-	settleCtx := context.WithoutCancel(ctx)
-	if err != nil {
-		g.retry(settleCtx, func(ctx context.Context) error { return g.store.Release(ctx, key, owner) })
+		return nil, false, fmt.Errorf("idempotency: %w", unavailable.Err)
+	case errors.Is(err, claim.ErrConflict):
+		return nil, false, ErrConflict
+	case errors.Is(err, claim.ErrInFlight):
+		return nil, false, ErrInFlight
+	case errors.Is(err, claim.ErrWaitTimeout):
+		return nil, false, fmt.Errorf("%w after waiting %s", ErrInFlight, g.opts.WaitTimeout)
+	default:
 		return nil, false, err
 	}
-	if v == nil {
-		v = []byte{}
+	switch r.State {
+	case store.Won:
+		if r.TookOver {
+			g.log.Warn("Took over an abandoned claim: its process stopped mid-call, fn runs again (OnAbandoned Retry)", "key", key)
+		}
+		return g.run(ctx, key, owner, fn)
+	case store.Completed:
+		return r.Response, true, nil
+	default: // store.Abandoned
+		return nil, false, ErrOutcomeUnknown
 	}
-	// fn ran: its result goes to the caller whether or not it could be
-	// kept (if not, the claim's lease runs out and a retry may run fn).
-	g.retry(settleCtx, func(ctx context.Context) error { return g.store.Complete(ctx, key, owner, v, g.opts.TTL) })
-	return v, false, nil
 }
 
-// retry gives a store write a few chances: a lost Complete would let a
-// retry run fn again once the lease runs out.
-func (g *Group) retry(ctx context.Context, op func(context.Context) error) {
-	for _, pause := range []time.Duration{0, 100 * time.Millisecond, 500 * time.Millisecond, 2 * time.Second} {
-		time.Sleep(pause)
-		opCtx, cancel := context.WithTimeout(ctx, 5*time.Second)
-		err := op(opCtx)
-		cancel()
-		if err == nil || errors.Is(err, store.ErrNotOwner) {
+// run calls fn under a claim this owner holds, detached from ctx's cancel,
+// and keeps the result or releases the claim.
+func (g *Group) run(ctx context.Context, key, owner string, fn func(context.Context) ([]byte, error)) ([]byte, bool, error) {
+	held := claim.Held{Key: key, Owner: owner, Lease: g.opts.Lease, Attrs: []any{"key", key}}
+	onPanic := func(v any) error {
+		g.log.Error("fn panicked, so its outcome is unknown: its claim is kept until its lease runs out, then OnAbandoned decides", "key", key)
+		return &PanicError{Value: v, Stack: debug.Stack()}
+	}
+	var value []byte
+	err := g.claims.Run(ctx, held, onPanic, func(ctx context.Context, answer func(error)) {
+		v, err := fn(ctx)
+		if err != nil {
+			if rerr := g.claims.Release(ctx, key, owner, func() { answer(err) }); rerr != nil {
+				g.writeFailed("release", key, rerr)
+			}
 			return
 		}
+		if v == nil {
+			v = []byte{}
+		}
+		value = v
+		// fn ran: its result goes to the caller once the first attempt to
+		// keep it is made, and it is retried while the lease is renewed.
+		if cerr := g.claims.Complete(ctx, key, owner, v, g.opts.TTL, func() { answer(nil) }); cerr != nil {
+			g.writeFailed("complete", key, cerr)
+		}
+	})
+	switch {
+	case errors.Is(err, claim.ErrDetached):
+		return nil, false, ctx.Err()
+	case err != nil:
+		return nil, false, err
+	}
+	return value, false, nil
+}
+
+func (g *Group) writeFailed(op, key string, err error) {
+	switch {
+	case errors.Is(err, claim.ErrProbablyApplied):
+		g.log.Warn("Store write retried after an error; the earlier attempt most likely applied", "op", op, "key", key)
+	case errors.Is(err, store.ErrNotOwner):
+		g.log.Error("The claim was taken over before fn finished; its result is not kept", "op", op, "key", key)
+	default:
+		g.log.Error("Store write failed after fn ran; once the claim's lease runs out, OnAbandoned decides what a retry gets", "op", op, "key", key, "err", err)
 	}
 }
 
-func (g *Group) releaseQuietly(key, owner string) {
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-	defer cancel()
-	_ = g.store.Release(ctx, key, owner)
-}
+// Drain waits until every call whose fn still runs after its caller went
+// away has finished and its result is kept (or released), or ctx ends.
+// Call it before the process exits.
+func (g *Group) Drain(ctx context.Context) error { return g.claims.Drain(ctx) }
 
 // DoJSON is Do for values kept as JSON: v is fn's value, or the kept one
 // decoded into a fresh T.
