@@ -11,16 +11,33 @@
 //   - Calls in other processes sharing the store (Redis or PostgreSQL) wait
 //     on the store's claim, which is leased and renewed while fn runs. A
 //     process that dies mid-call loses its claim when the lease runs out:
-//     the next call runs fn again (Options.OnAbandoned Retry, the default)
-//     or gets ErrOutcomeUnknown (Error).
+//     the next call runs fn again (the default) or, with
+//     Options.AbandonedError, gets ErrOutcomeUnknown.
 //   - Errors are not kept: when fn returns an error, the claim is released
 //     and the next call runs fn again.
 //   - A key reused with another fingerprint (other arguments) gets
 //     ErrConflict and fn does not run.
+//   - fn runs detached from the caller's context: a caller that cancels or
+//     times out gets ctx's error, but fn goes on, and its result is kept
+//     for the retry (Drain waits for such calls before the process exits).
+//   - The claim's lease is renewed while fn runs; a renewal that fails is
+//     retried at once with backoff, and one that hangs is given up after a
+//     third of the lease, so a short store outage does not let another
+//     process run fn beside it. Storing the result is retried for about
+//     16 s before the claim is left to lapse.
+//   - A panic in fn is returned as a *PanicError: its outcome is unknown,
+//     the claim lapses with its lease, then AbandonedError decides.
+//   - Records in a shared store are sealed when the store is opened with
+//     seal keys (SealKeys, SealKeyring): whoever can write to Redis or
+//     PostgreSQL cannot plant a result. Without keys results are stored
+//     unsealed, and the store logs a warning saying so.
 //
 // "At most once" holds while the result is kept (TTL) and while the store
 // keeps its records: the memory store only within one process, Redis and
 // PostgreSQL across every process that shares them.
+//
+// These are the guarantees of the idemcp sidecar: Group runs the same claim
+// protocol, and the same fault tests run against both.
 //
 // For MCP servers written with the official Go SDK, the mcpmiddleware
 // subpackage applies an IdempotencyPolicy to tools/call with this
@@ -37,6 +54,7 @@ import (
 	"fmt"
 	"log/slog"
 	"runtime/debug"
+	"strings"
 	"sync"
 	"time"
 
@@ -65,13 +83,128 @@ func NewMemoryStore() Store { return store.NewMemory(0) }
 // NewRedisStore returns a store in Redis, shared by every process that
 // uses the same Redis and key prefix. It does not fail when Redis is down:
 // calls do, with ErrStoreUnavailable.
-func NewRedisStore(o RedisOptions) (Store, error) { return redisstore.New(o) }
+//
+// Give it seal keys (SealKeys or SealKeyring): unsealed, whoever can read
+// the Redis reads every result, and whoever can write to it can plant a
+// result for a guessable key that a call then returns without running fn.
+// A store opened without seal keys stores results unsealed, knowingly, and
+// logs a warning saying so (StoreLogger).
+func NewRedisStore(o RedisOptions, opts ...StoreOption) (Store, error) {
+	st, err := redisstore.New(o)
+	if err != nil {
+		return nil, err
+	}
+	return sealShared(st, "Redis", o.Prefix, opts)
+}
 
 // NewPostgresStore returns a store in PostgreSQL, shared by every process
 // that uses the same database and key prefix. It creates its tables on
 // first use. It does not fail when the database is down: calls do, with
-// ErrStoreUnavailable.
-func NewPostgresStore(o PostgresOptions) (Store, error) { return pgstore.New(o) }
+// ErrStoreUnavailable. Seal keys are given as to NewRedisStore, for the
+// same reasons.
+func NewPostgresStore(o PostgresOptions, opts ...StoreOption) (Store, error) {
+	st, err := pgstore.New(o)
+	if err != nil {
+		return nil, err
+	}
+	return sealShared(st, "PostgreSQL", o.Prefix, opts)
+}
+
+// StoreOption configures a shared store (NewRedisStore, NewPostgresStore).
+type StoreOption func(*storeConfig)
+
+type storeConfig struct {
+	keys    [][]byte
+	keyText []string
+	log     *slog.Logger
+	err     error
+}
+
+// SealKeys seals every result the store keeps with AES-256-GCM, bound to
+// its key and to the store's Prefix: a record that fails to open (altered,
+// planted, copied from another key, or sealed under a key not given here)
+// counts as absent, and fn runs as for a new key, once. keys[0] seals and
+// every key opens: after a rotation, keep the previous key until the
+// records it sealed have expired (TTL). Each key is SealKeyBytes random
+// bytes.
+func SealKeys(keys ...[]byte) StoreOption {
+	return func(c *storeConfig) {
+		if len(keys) == 0 {
+			c.err = errors.New("SealKeys was given no key; a seal key is 32 random bytes")
+		}
+		c.keys = append(c.keys, keys...)
+	}
+}
+
+// SealKeyring is SealKeys with the keys as text, in the format of the
+// idemcp sidecar's seal Secret (IDEMCP_SEAL_KEYS): base64 keys separated
+// by commas, spaces or newlines, the current key first; lines starting
+// with # are comments. Generate a key with: head -c 32 /dev/urandom | base64
+func SealKeyring(text string) StoreOption {
+	return func(c *storeConfig) { c.keyText = append(c.keyText, text) }
+}
+
+// StoreLogger gets the store's warnings: that it is unsealed, and each
+// stored result that failed to open (nil: slog.Default()).
+func StoreLogger(l *slog.Logger) StoreOption {
+	return func(c *storeConfig) { c.log = l }
+}
+
+// SealKeyBytes is the length of a seal key (AES-256).
+const SealKeyBytes = store.SealKeyBytes
+
+// sealShared wraps st so that its results are sealed, or warns that they
+// are not. It closes st when the options are wrong.
+func sealShared(st store.Store, kind, prefix string, opts []StoreOption) (Store, error) {
+	var c storeConfig
+	for _, o := range opts {
+		o(&c)
+	}
+	if c.log == nil {
+		c.log = slog.Default()
+	}
+	ring, err := c.keyring()
+	if err != nil {
+		_ = st.Close()
+		return nil, fmt.Errorf("idempotency: %s store: %w", kind, err)
+	}
+	if ring == nil {
+		c.log.Warn("Results are stored unsealed: whoever can read the store reads them, and whoever can write to it can plant a result that a call returns without running fn; pass idempotency.SealKeys or idempotency.SealKeyring",
+			"store", kind, "prefix", prefix)
+		return st, nil
+	}
+	log := c.log
+	return store.Seal(st, store.SealOptions{
+		Keyring: ring,
+		Context: prefix,
+		OnOpenFailure: func(key, reason string) {
+			log.Warn("A stored result failed to open and is treated as absent; fn runs as for a new key", "store", kind, "key", key, "reason", reason)
+		},
+	}), nil
+}
+
+// keyring is the keys given, or nil for none.
+func (c *storeConfig) keyring() (*store.Keyring, error) {
+	switch {
+	case c.err != nil:
+		return nil, c.err
+	case len(c.keys) > 0 && len(c.keyText) > 0:
+		return nil, errors.New("both SealKeys and SealKeyring were given; give the keys one way")
+	case len(c.keyText) > 0:
+		ring, err := store.ParseKeyring(strings.Join(c.keyText, "\n"))
+		if err != nil {
+			return nil, fmt.Errorf("SealKeyring: %w", err)
+		}
+		return ring, nil
+	case len(c.keys) > 0:
+		ring, err := store.NewKeyring(c.keys...)
+		if err != nil {
+			return nil, fmt.Errorf("SealKeys: %w", err)
+		}
+		return ring, nil
+	}
+	return nil, nil
+}
 
 var (
 	// ErrConflict means the key was already used with another fingerprint; fn
@@ -81,7 +214,8 @@ var (
 	// (or, with WaitTimeout < 0, at all); fn did not run. Retry later.
 	ErrInFlight = errors.New("a call with this idempotency key is still running")
 	// ErrOutcomeUnknown means the first call with this key stopped mid-call (its
-	// process died) and OnAbandoned is Error; fn did not run again.
+	// process died, or fn panicked) and AbandonedError is set; fn did not run
+	// again.
 	ErrOutcomeUnknown = errors.New("outcome unknown: the first call with this key stopped mid-call")
 	// ErrStoreUnavailable means the store cannot be reached and FailOpen is
 	// false; fn did not run.
@@ -197,7 +331,7 @@ func hash(parts ...string) string {
 
 // PanicError is what Do returns when fn panicked. Whatever fn did before,
 // its outcome is unknown: the claim is neither kept as a result nor
-// released, it lapses when its lease runs out, and then OnAbandoned
+// released, it lapses when its lease runs out, and then AbandonedError
 // decides what the next call gets (fn runs again, or ErrOutcomeUnknown).
 // It matches ErrOutcomeUnknown with errors.Is.
 type PanicError struct {
@@ -328,7 +462,7 @@ func (g *Group) claim(ctx context.Context, key, fp string, fn func(context.Conte
 	switch r.State {
 	case store.Won:
 		if r.TookOver {
-			g.log.Warn("Took over an abandoned claim: its process stopped mid-call, fn runs again (OnAbandoned Retry)", "key", key)
+			g.log.Warn("Took over an abandoned claim: its process stopped mid-call, and fn runs again", "key", key)
 		}
 		return g.run(ctx, key, owner, fn)
 	case store.Completed:
@@ -343,7 +477,7 @@ func (g *Group) claim(ctx context.Context, key, fp string, fn func(context.Conte
 func (g *Group) run(ctx context.Context, key, owner string, fn func(context.Context) ([]byte, error)) ([]byte, bool, error) {
 	held := claim.Held{Key: key, Owner: owner, Lease: g.opts.Lease, Attrs: []any{"key", key}}
 	onPanic := func(v any) error {
-		g.log.Error("fn panicked, so its outcome is unknown: its claim is kept until its lease runs out, then OnAbandoned decides", "key", key)
+		g.log.Error("fn panicked, so its outcome is unknown: its claim is kept until its lease runs out, then AbandonedError decides", "key", key)
 		return &PanicError{Value: v, Stack: debug.Stack()}
 	}
 	var value []byte
@@ -381,7 +515,7 @@ func (g *Group) writeFailed(op, key string, err error) {
 	case errors.Is(err, store.ErrNotOwner):
 		g.log.Error("The claim was taken over before fn finished; its result is not kept", "op", op, "key", key)
 	default:
-		g.log.Error("Store write failed after fn ran; once the claim's lease runs out, OnAbandoned decides what a retry gets", "op", op, "key", key, "err", err)
+		g.log.Error("Store write failed after fn ran; once the claim's lease runs out, AbandonedError decides what a retry gets", "op", op, "key", key, "err", err)
 	}
 }
 

@@ -53,7 +53,7 @@ func TestInvalidOptionsAreErrors(t *testing.T) {
 
 // A panic in fn is returned as a *PanicError (outcome unknown), the key is
 // free again in this process, and once the claim's lease runs out the
-// next call takes it over and runs fn (OnAbandoned Retry).
+// next call takes it over and runs fn (AbandonedError unset).
 func TestPanicInFnIsOutcomeUnknown(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		st := store.NewMemory(0)
