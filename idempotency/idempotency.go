@@ -446,7 +446,7 @@ func (g *Group) claim(ctx context.Context, key, fp string, fn func(context.Conte
 			return nil, false, fmt.Errorf("%w: the store became unreachable while waiting: %w", ErrInFlight, unavailable.Err)
 		}
 		if g.opts.FailOpen {
-			v, err := fn(ctx)
+			v, err := callUnclaimed(ctx, fn)
 			return v, false, err
 		}
 		return nil, false, fmt.Errorf("idempotency: %w", unavailable.Err)
@@ -461,6 +461,12 @@ func (g *Group) claim(ctx context.Context, key, fp string, fn func(context.Conte
 	}
 	switch r.State {
 	case store.Won:
+		if ctx.Err() != nil {
+			// The caller gave up before fn started: nothing ran, so the
+			// next call must find the key free.
+			_ = g.claims.Release(context.WithoutCancel(ctx), key, owner, func() {})
+			return nil, false, ctx.Err()
+		}
 		if r.TookOver {
 			g.log.Warn("Took over an abandoned claim: its process stopped mid-call, and fn runs again", "key", key)
 		}
@@ -506,6 +512,17 @@ func (g *Group) run(ctx context.Context, key, owner string, fn func(context.Cont
 		return nil, false, err
 	}
 	return value, false, nil
+}
+
+// callUnclaimed runs fn with no claim (FailOpen), returning a panic as a
+// *PanicError as a claimed call does.
+func callUnclaimed(ctx context.Context, fn func(context.Context) ([]byte, error)) (v []byte, err error) {
+	defer func() {
+		if p := recover(); p != nil {
+			v, err = nil, &PanicError{Value: p, Stack: debug.Stack()}
+		}
+	}()
+	return fn(ctx)
 }
 
 func (g *Group) writeFailed(op, key string, err error) {

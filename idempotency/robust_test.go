@@ -3,6 +3,7 @@ package idempotency_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"testing"
 	"testing/synctest"
@@ -110,5 +111,53 @@ func TestCallerGoneWhileFnRuns(t *testing.T) {
 	})
 	if err != nil || !replayed || string(v) != "charged" || runs != 1 {
 		t.Fatalf("the retry = %q %v %v, fn ran %d times; want the kept result and one run", v, replayed, err, runs)
+	}
+}
+
+// A caller whose context has ended before fn starts runs nothing, and
+// leaves the key free for the next call.
+func TestCancelledCallerRunsNothing(t *testing.T) {
+	g := idempotency.NewGroup(idempotency.NewMemoryStore(), idempotency.Options{WaitTimeout: -1})
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	runs := 0
+	fn := func(context.Context) ([]byte, error) {
+		runs++
+		return []byte("ok"), nil
+	}
+	if _, _, err := g.Do(ctx, "k", "fp", fn); !errors.Is(err, context.Canceled) || runs != 0 {
+		t.Fatalf("Do with a cancelled context = %v, fn ran %d times; want context.Canceled and no run", err, runs)
+	}
+	if v, _, err := g.Do(context.Background(), "k", "fp", fn); err != nil || string(v) != "ok" || runs != 1 {
+		t.Fatalf("the next call = %q %v, fn ran %d times; want the key free and fn run", v, err, runs)
+	}
+}
+
+// down is a store that cannot be reached.
+type down struct{ idempotency.Store }
+
+func (down) Reserve(context.Context, store.Claim) (store.Reservation, error) {
+	return store.Reservation{}, fmt.Errorf("dial tcp: connection refused: %w", store.ErrUnavailable)
+}
+
+// With the store down, FailOpen runs fn undeduplicated, and a panic in it
+// is a *PanicError as in a claimed call; without FailOpen nothing runs.
+func TestStoreDown(t *testing.T) {
+	st := down{idempotency.NewMemoryStore()}
+	runs := 0
+	fn := func(context.Context) ([]byte, error) {
+		runs++
+		return []byte("ok"), nil
+	}
+	if _, _, err := idempotency.NewGroup(st, idempotency.Options{}).Do(context.Background(), "k", "fp", fn); !errors.Is(err, idempotency.ErrStoreUnavailable) || runs != 0 {
+		t.Fatalf("store down: Do = %v, fn ran %d times; want ErrStoreUnavailable and no run", err, runs)
+	}
+	open := idempotency.NewGroup(st, idempotency.Options{FailOpen: true})
+	if v, replayed, err := open.Do(context.Background(), "k", "fp", fn); err != nil || replayed || string(v) != "ok" || runs != 1 {
+		t.Fatalf("store down, FailOpen: Do = %q %v %v, fn ran %d times; want fn run", v, replayed, err, runs)
+	}
+	var pe *idempotency.PanicError
+	if _, _, err := open.Do(context.Background(), "k", "fp", func(context.Context) ([]byte, error) { panic("boom") }); !errors.As(err, &pe) {
+		t.Fatalf("store down, FailOpen, fn panics: Do = %v, want a *PanicError", err)
 	}
 }
