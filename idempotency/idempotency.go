@@ -130,7 +130,7 @@ type storeConfig struct {
 func SealKeys(keys ...[]byte) StoreOption {
 	return func(c *storeConfig) {
 		if len(keys) == 0 {
-			c.err = errors.New("SealKeys was given no key; a seal key is 32 random bytes")
+			c.err = errors.New("no key was given to SealKeys; a seal key is 32 random bytes")
 		}
 		c.keys = append(c.keys, keys...)
 	}
@@ -191,17 +191,9 @@ func (c *storeConfig) keyring() (*store.Keyring, error) {
 	case len(c.keys) > 0 && len(c.keyText) > 0:
 		return nil, errors.New("both SealKeys and SealKeyring were given; give the keys one way")
 	case len(c.keyText) > 0:
-		ring, err := store.ParseKeyring(strings.Join(c.keyText, "\n"))
-		if err != nil {
-			return nil, fmt.Errorf("SealKeyring: %w", err)
-		}
-		return ring, nil
+		return store.ParseKeyring(strings.Join(c.keyText, "\n"))
 	case len(c.keys) > 0:
-		ring, err := store.NewKeyring(c.keys...)
-		if err != nil {
-			return nil, fmt.Errorf("SealKeys: %w", err)
-		}
-		return ring, nil
+		return store.NewKeyring(c.keys...)
 	}
 	return nil, nil
 }

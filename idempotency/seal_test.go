@@ -123,7 +123,7 @@ func TestBadSealKeys(t *testing.T) {
 		want string
 	}{
 		{"short key", []idempotency.StoreOption{idempotency.SealKeys([]byte("short"))}, "is 5 bytes long; a seal key is 32 random bytes"},
-		{"no key", []idempotency.StoreOption{idempotency.SealKeys()}, "SealKeys was given no key"},
+		{"no key", []idempotency.StoreOption{idempotency.SealKeys()}, "no key was given to SealKeys"},
 		{"not base64", []idempotency.StoreOption{idempotency.SealKeyring("not base64!")}, "is not base64"},
 		{"empty keyring", []idempotency.StoreOption{idempotency.SealKeyring("# nothing\n")}, "no seal key given"},
 		{"both ways", []idempotency.StoreOption{idempotency.SealKeys(make([]byte, 32)), idempotency.SealKeyring(base64.StdEncoding.EncodeToString(make([]byte, 32)))}, "give the keys one way"},
