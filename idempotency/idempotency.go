@@ -307,6 +307,10 @@ func NewGroup(s Store, o Options) *Group {
 		Panicked: func(where string, v any) {
 			g.log.Error("Recovered from a panic; the process goes on", "where", where, "panic", fmt.Sprint(v), "stack", string(debug.Stack()))
 		},
+		PanicAnswer: func(h claim.Held, v any) error {
+			g.log.Error("fn panicked, so its outcome is unknown: its claim is kept until its lease runs out, then AbandonedError decides", "key", h.Key)
+			return &PanicError{Value: v, Stack: debug.Stack()}
+		},
 	})
 	return g
 }
@@ -429,10 +433,19 @@ func (g *Group) claim(ctx context.Context, key, fp string, fn func(context.Conte
 	c := store.Claim{Key: key, Fingerprint: fp, Owner: owner, Lease: g.opts.Lease,
 		Retention: max(g.opts.TTL, g.opts.Lease), TakeOver: !g.opts.AbandonedError}
 	r, err := g.claims.Reserve(ctx, c, claim.Waits{Timeout: g.opts.WaitTimeout, Reject: g.opts.WaitTimeout < 0})
-	var unavailable *claim.UnavailableError
 	switch {
 	case err == nil:
-	case errors.As(err, &unavailable):
+	case errors.Is(err, claim.ErrConflict):
+		return nil, false, ErrConflict
+	case errors.Is(err, claim.ErrInFlight):
+		return nil, false, ErrInFlight
+	case errors.Is(err, claim.ErrWaitTimeout):
+		return nil, false, fmt.Errorf("%w after waiting %s", ErrInFlight, g.opts.WaitTimeout)
+	default:
+		unavailable := (*claim.UnavailableError)(nil)
+		if !errors.As(err, &unavailable) {
+			return nil, false, err // ctx's
+		}
 		if unavailable.Held {
 			// Another process holds the key: never run fn beside it.
 			return nil, false, fmt.Errorf("%w: the store became unreachable while waiting: %w", ErrInFlight, unavailable.Err)
@@ -442,14 +455,6 @@ func (g *Group) claim(ctx context.Context, key, fp string, fn func(context.Conte
 			return v, false, err
 		}
 		return nil, false, fmt.Errorf("idempotency: %w", unavailable.Err)
-	case errors.Is(err, claim.ErrConflict):
-		return nil, false, ErrConflict
-	case errors.Is(err, claim.ErrInFlight):
-		return nil, false, ErrInFlight
-	case errors.Is(err, claim.ErrWaitTimeout):
-		return nil, false, fmt.Errorf("%w after waiting %s", ErrInFlight, g.opts.WaitTimeout)
-	default:
-		return nil, false, err
 	}
 	switch r.State {
 	case store.Won:
@@ -473,13 +478,9 @@ func (g *Group) claim(ctx context.Context, key, fp string, fn func(context.Conte
 // run calls fn under a claim this owner holds, detached from ctx's cancel,
 // and keeps the result or releases the claim.
 func (g *Group) run(ctx context.Context, key, owner string, fn func(context.Context) ([]byte, error)) ([]byte, bool, error) {
-	held := claim.Held{Key: key, Owner: owner, Lease: g.opts.Lease, Attrs: []any{"key", key}}
-	onPanic := func(v any) error {
-		g.log.Error("fn panicked, so its outcome is unknown: its claim is kept until its lease runs out, then AbandonedError decides", "key", key)
-		return &PanicError{Value: v, Stack: debug.Stack()}
-	}
+	held := claim.Held{Key: key, Owner: owner, Lease: g.opts.Lease}
 	var value []byte
-	err := g.claims.Run(ctx, held, onPanic, func(ctx context.Context, answer func(error)) {
+	err := g.claims.Run(ctx, held, func(ctx context.Context, answer func(error)) {
 		v, err := fn(ctx)
 		if err != nil {
 			if rerr := g.claims.Release(ctx, key, owner, func() { answer(err) }); rerr != nil {

@@ -15,6 +15,7 @@ package claim
 import (
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"sync"
 	"time"
@@ -25,8 +26,8 @@ import (
 // Options configure a Protocol.
 type Options struct {
 	Store store.Store
-	// Log gets the protocol's warnings (nil: none). Each is logged with the
-	// Held.Attrs of its call.
+	// Log gets the protocol's warnings (nil: none), each with the tool
+	// (Held.Tool, if any) and key of its call.
 	Log *slog.Logger
 	// StoreError, if set, is told of every store operation that failed:
 	// reserve, wait, renew, and retry (a settling write tried again).
@@ -34,6 +35,9 @@ type Options struct {
 	// Panicked, if set, is told of a panic recovered on one of the
 	// protocol's goroutines: release, renew, or run (the owner's call).
 	Panicked func(where string, v any)
+	// PanicAnswer is what the caller of a call that panicked under Run is
+	// answered (nil: an error naming the panic).
+	PanicAnswer func(h Held, v any) error
 }
 
 // Protocol runs claims on one store. It is safe for concurrent use.
@@ -42,12 +46,13 @@ type Protocol struct {
 	log        *slog.Logger
 	storeError func(op string)
 	panicked   func(where string, v any)
+	answer     func(h Held, v any) error
 	running    activity
 }
 
 // New returns a Protocol.
 func New(o Options) *Protocol {
-	p := &Protocol{store: o.Store, log: o.Log, storeError: o.StoreError, panicked: o.Panicked}
+	p := &Protocol{store: o.Store, log: o.Log, storeError: o.StoreError, panicked: o.Panicked, answer: o.PanicAnswer}
 	if p.log == nil {
 		p.log = slog.New(slog.DiscardHandler)
 	}
@@ -56,6 +61,9 @@ func New(o Options) *Protocol {
 	}
 	if p.panicked == nil {
 		p.panicked = func(string, any) {}
+	}
+	if p.answer == nil {
+		p.answer = func(_ Held, v any) error { return fmt.Errorf("the call panicked: %v", v) }
 	}
 	return p
 }
@@ -177,8 +185,17 @@ func (p *Protocol) releaseQuietly(key, owner string) {
 type Held struct {
 	Key, Owner string
 	Lease      time.Duration
-	// Attrs are logged with every warning about this claim.
-	Attrs []any
+	// Tool names the call in logs ("": not logged).
+	Tool string
+}
+
+// attrs are what the protocol's logs say about h, and more.
+func (h Held) attrs(more ...any) []any {
+	a := make([]any, 0, 4+len(more))
+	if h.Tool != "" {
+		a = append(a, "tool", h.Tool)
+	}
+	return append(append(a, "key", h.Key), more...)
 }
 
 // Run runs body under the claim h, detached from ctx: body gets a context
@@ -190,8 +207,8 @@ type Held struct {
 //
 // A panic in body is recovered: the claim is neither completed nor
 // released, so it lapses with its lease, and the caller is answered
-// onPanic's error.
-func (p *Protocol) Run(ctx context.Context, h Held, onPanic func(v any) error, body func(ctx context.Context, answer func(error))) error {
+// Options.PanicAnswer's error.
+func (p *Protocol) Run(ctx context.Context, h Held, body func(ctx context.Context, answer func(error))) error {
 	done := make(chan error, 1)
 	p.running.add()
 	go func() {
@@ -208,7 +225,7 @@ func (p *Protocol) Run(ctx context.Context, h Held, onPanic func(v any) error, b
 				// The deferred stopRenew below has already stopped
 				// renewing: the lease runs out.
 				p.panicked("run", v)
-				answer(onPanic(v))
+				answer(p.answer(h, v))
 			}
 		}()
 		runCtx := context.WithoutCancel(ctx)
@@ -259,7 +276,7 @@ func (p *Protocol) renew(ctx context.Context, h Held) (stop func()) {
 				leaseEnd, backoff = start.Add(lease), 0
 				t.Reset(every)
 			case errors.Is(err, store.ErrNotOwner):
-				p.log.Error("Lost the claim while the call runs: another caller took it over", h.Attrs...)
+				p.log.Error("Lost the claim while the call runs: another caller took it over", h.attrs()...)
 				return
 			case ctx.Err() != nil:
 				return
@@ -267,8 +284,8 @@ func (p *Protocol) renew(ctx context.Context, h Held) (stop func()) {
 				p.storeError("renew")
 				if backoff == 0 {
 					// Once per run of failures: the retries follow quickly.
-					p.log.Warn("Renewing the claim failed; retrying until the lease runs out", append(h.Attrs[:len(h.Attrs):len(h.Attrs)],
-						"leaseLeft", time.Until(leaseEnd).Round(time.Millisecond).String(), "err", err)...)
+					p.log.Warn("Renewing the claim failed; retrying until the lease runs out",
+						h.attrs("leaseLeft", time.Until(leaseEnd).Round(time.Millisecond).String(), "err", err)...)
 				}
 				backoff = min(max(2*backoff, RenewRetryMin), RenewRetryMax)
 				next := backoff

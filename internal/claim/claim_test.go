@@ -135,7 +135,7 @@ func TestHungRenewalIsCutAndRetried(t *testing.T) {
 		if r, err := p.Reserve(context.Background(), c, claim.Waits{Timeout: time.Minute}); err != nil || r.State != store.Won {
 			t.Fatalf("Reserve = %v, %v", r, err)
 		}
-		err := p.Run(context.Background(), claim.Held{Key: "k", Owner: "o", Lease: lease}, func(any) error { return nil }, func(ctx context.Context, answer func(error)) {
+		err := p.Run(context.Background(), claim.Held{Key: "k", Owner: "o", Lease: lease}, func(ctx context.Context, answer func(error)) {
 			time.Sleep(2 * lease) // the call outlasts its lease twice over
 			r, err := st.Reserve(ctx, store.Claim{Key: "k", Fingerprint: "f", Owner: "other", Lease: lease, Retention: time.Hour, TakeOver: true})
 			if err != nil || r.State != store.Pending {

@@ -91,6 +91,14 @@ func New(o Options) *Engine {
 		Log:        e.log,
 		StoreError: func(op string) { e.metrics.StoreErrors.WithLabelValues(op).Inc() },
 		Panicked:   e.panicked,
+		PanicAnswer: func(h claim.Held, _ any) error {
+			// Whatever ran upstream, its outcome is unknown: the claim is
+			// neither stored nor released, its lease runs out and
+			// onAbandoned decides what a retry gets.
+			e.log.Error("A call's outcome is unknown: its claim is kept until its lease runs out, then onAbandoned decides", "tool", h.Tool)
+			return &Error{Code: mcpmsg.CodeInternalError, Message: fmt.Sprintf(
+				"idemcp failed while relaying or storing the call to %q, so its outcome is unknown; a retry after leaseDuration (%s) is decided by onAbandoned", h.Tool, h.Lease)}
+		},
 	})
 	var b [8]byte
 	_, _ = rand.Read(b[:])
@@ -309,16 +317,8 @@ func (e *Engine) Execute(ctx context.Context, p *Plan, fwd Forward) (Outcome, er
 		},
 	}
 	r, err := e.claims.Reserve(ctx, c, waits)
-	var unavailable *claim.UnavailableError
 	switch {
 	case err == nil:
-	case errors.As(err, &unavailable):
-		if unavailable.Held {
-			// The store said another call holds this key: never
-			// forward a second one, whatever onStoreUnavailable says.
-			return Outcome{}, e.stillRunning(p, unavailable.Err)
-		}
-		return e.storeUnavailable(ctx, p, fwd, unavailable.Err)
 	case errors.Is(err, claim.ErrConflict):
 		// Stores never take over a claim of other arguments (the store
 		// contract): an explicit key reused with them is refused, whether
@@ -335,6 +335,14 @@ func (e *Engine) Execute(ctx context.Context, p *Plan, fwd Forward) (Outcome, er
 		return Outcome{}, &Error{Code: mcpmsg.CodeInFlight, Message: fmt.Sprintf(
 			"a call to %q with this key is still running after waiting %s (waitTimeout); retry later to get its result", p.Tool, p.Policy.WaitTimeout)}
 	default:
+		if unavailable := (*claim.UnavailableError)(nil); errors.As(err, &unavailable) {
+			if unavailable.Held {
+				// The store said another call holds this key: never
+				// forward a second one, whatever onStoreUnavailable says.
+				return Outcome{}, e.stillRunning(p, unavailable.Err)
+			}
+			return e.storeUnavailable(ctx, p, fwd, unavailable.Err)
+		}
 		// ctx's error, or too many waiters (already counted).
 		return Outcome{}, err
 	}
@@ -396,16 +404,8 @@ func (e *Engine) storeUnavailable(ctx context.Context, p *Plan, fwd Forward, err
 // run executes the call this owner won, detached from ctx: a client that
 // disconnects or cancels does not stop it, and its result is stored.
 func (e *Engine) run(ctx context.Context, p *Plan, owner string, fwd Forward) (Outcome, error) {
-	held := claim.Held{Key: p.Key, Owner: owner, Lease: p.Policy.LeaseDuration, Attrs: []any{"tool", p.Tool, "key", p.Key}}
-	onPanic := func(any) error {
-		// Whatever ran upstream, its outcome is unknown: the claim is
-		// neither stored nor released, its lease runs out and onAbandoned
-		// decides what a retry gets.
-		e.log.Error("A call's outcome is unknown: its claim is kept until its lease runs out, then onAbandoned decides", "tool", p.Tool)
-		return &Error{Code: mcpmsg.CodeInternalError, Message: fmt.Sprintf(
-			"idemcp failed while relaying or storing the call to %q, so its outcome is unknown; a retry after leaseDuration (%s) is decided by onAbandoned", p.Tool, p.Policy.LeaseDuration)}
-	}
-	err := e.claims.Run(ctx, held, onPanic, func(runCtx context.Context, answer func(error)) {
+	held := claim.Held{Key: p.Key, Owner: owner, Lease: p.Policy.LeaseDuration, Tool: p.Tool}
+	err := e.claims.Run(ctx, held, func(runCtx context.Context, answer func(error)) {
 		up, err := fwd(runCtx)
 		if err == nil && up.Later != nil {
 			// The client's part is over (it resumes on its own); the
