@@ -68,9 +68,6 @@ func New(o Options) *Protocol {
 	return p
 }
 
-// Store is the store the protocol runs on.
-func (p *Protocol) Store() store.Store { return p.store }
-
 var (
 	// ErrConflict means the key is held, completed or abandoned for another
 	// fingerprint. Stores never take over such a claim.
@@ -353,14 +350,14 @@ func (p *Protocol) retry(ctx context.Context, firstTried func(), op func(context
 // Options.Panicked).
 func (p *Protocol) Go(where string, fn func()) {
 	go func() {
-		defer p.Recover(where)
+		defer p.recoverAs(where)
 		fn()
 	}()
 }
 
-// Recover stops a panic from ending the process when deferred at the top
+// recoverAs stops a panic from ending the process when deferred at the top
 // of a goroutine; it reports the panic to Options.Panicked.
-func (p *Protocol) Recover(where string) {
+func (p *Protocol) recoverAs(where string) {
 	if v := recover(); v != nil {
 		p.panicked(where, v)
 	}
