@@ -11,16 +11,33 @@
 //   - Calls in other processes sharing the store (Redis or PostgreSQL) wait
 //     on the store's claim, which is leased and renewed while fn runs. A
 //     process that dies mid-call loses its claim when the lease runs out:
-//     the next call runs fn again (Options.OnAbandoned Retry, the default)
-//     or gets ErrOutcomeUnknown (Error).
+//     the next call runs fn again (the default) or, with
+//     Options.AbandonedError, gets ErrOutcomeUnknown.
 //   - Errors are not kept: when fn returns an error, the claim is released
 //     and the next call runs fn again.
 //   - A key reused with another fingerprint (other arguments) gets
 //     ErrConflict and fn does not run.
+//   - fn runs detached from the caller's context: a caller that cancels or
+//     times out gets ctx's error, but fn goes on, and its result is kept
+//     for the retry (Drain waits for such calls before the process exits).
+//   - The claim's lease is renewed while fn runs; a renewal that fails is
+//     retried at once with backoff, and one that hangs is given up after a
+//     third of the lease, so a short store outage does not let another
+//     process run fn beside it. Storing the result is retried for about
+//     16 s before the claim is left to lapse.
+//   - A panic in fn is returned as a *PanicError: its outcome is unknown,
+//     the claim lapses with its lease, then AbandonedError decides.
+//   - Records in a shared store are sealed when the store is opened with
+//     seal keys (SealKeys, SealKeyring): whoever can write to Redis or
+//     PostgreSQL cannot plant a result. Without keys results are stored
+//     unsealed, and the store logs a warning saying so.
 //
 // "At most once" holds while the result is kept (TTL) and while the store
 // keeps its records: the memory store only within one process, Redis and
 // PostgreSQL across every process that shares them.
+//
+// These are the guarantees of the idemcp sidecar: Group runs the same claim
+// protocol, and the same fault tests run against both.
 //
 // For MCP servers written with the official Go SDK, the mcpmiddleware
 // subpackage applies an IdempotencyPolicy to tools/call with this
@@ -35,9 +52,13 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"log/slog"
+	"runtime/debug"
+	"strings"
 	"sync"
 	"time"
 
+	"github.com/idemcp/idemcp/internal/claim"
 	"github.com/idemcp/idemcp/sidecar/store"
 	pgstore "github.com/idemcp/idemcp/sidecar/store/postgres"
 	redisstore "github.com/idemcp/idemcp/sidecar/store/redis"
@@ -62,13 +83,120 @@ func NewMemoryStore() Store { return store.NewMemory(0) }
 // NewRedisStore returns a store in Redis, shared by every process that
 // uses the same Redis and key prefix. It does not fail when Redis is down:
 // calls do, with ErrStoreUnavailable.
-func NewRedisStore(o RedisOptions) (Store, error) { return redisstore.New(o) }
+//
+// Give it seal keys (SealKeys or SealKeyring): unsealed, whoever can read
+// the Redis reads every result, and whoever can write to it can plant a
+// result for a guessable key that a call then returns without running fn.
+// A store opened without seal keys stores results unsealed, knowingly, and
+// logs a warning saying so (StoreLogger).
+func NewRedisStore(o RedisOptions, opts ...StoreOption) (Store, error) {
+	st, err := redisstore.New(o)
+	if err != nil {
+		return nil, err
+	}
+	return sealShared(st, "Redis", o.Prefix, opts)
+}
 
 // NewPostgresStore returns a store in PostgreSQL, shared by every process
 // that uses the same database and key prefix. It creates its tables on
 // first use. It does not fail when the database is down: calls do, with
-// ErrStoreUnavailable.
-func NewPostgresStore(o PostgresOptions) (Store, error) { return pgstore.New(o) }
+// ErrStoreUnavailable. Seal keys are given as to NewRedisStore, for the
+// same reasons.
+func NewPostgresStore(o PostgresOptions, opts ...StoreOption) (Store, error) {
+	st, err := pgstore.New(o)
+	if err != nil {
+		return nil, err
+	}
+	return sealShared(st, "PostgreSQL", o.Prefix, opts)
+}
+
+// StoreOption configures a shared store (NewRedisStore, NewPostgresStore).
+type StoreOption func(*storeConfig)
+
+type storeConfig struct {
+	keys    [][]byte
+	keyText []string
+	log     *slog.Logger
+	err     error
+}
+
+// SealKeys seals every result the store keeps with AES-256-GCM, bound to
+// its key and to the store's Prefix: a record that fails to open (altered,
+// planted, copied from another key, or sealed under a key not given here)
+// counts as absent, and fn runs as for a new key, once. keys[0] seals and
+// every key opens: after a rotation, keep the previous key until the
+// records it sealed have expired (TTL). Each key is SealKeyBytes random
+// bytes.
+func SealKeys(keys ...[]byte) StoreOption {
+	return func(c *storeConfig) {
+		if len(keys) == 0 {
+			c.err = errors.New("no key was given to SealKeys; a seal key is 32 random bytes")
+		}
+		c.keys = append(c.keys, keys...)
+	}
+}
+
+// SealKeyring is SealKeys with the keys as text, in the format of the
+// idemcp sidecar's seal Secret (IDEMCP_SEAL_KEYS): base64 keys separated
+// by commas, spaces or newlines, the current key first; lines starting
+// with # are comments. Generate a key with: head -c 32 /dev/urandom | base64
+func SealKeyring(text string) StoreOption {
+	return func(c *storeConfig) { c.keyText = append(c.keyText, text) }
+}
+
+// StoreLogger gets the store's warnings: that it is unsealed, and each
+// stored result that failed to open (nil: slog.Default()).
+func StoreLogger(l *slog.Logger) StoreOption {
+	return func(c *storeConfig) { c.log = l }
+}
+
+// SealKeyBytes is the length of a seal key (AES-256).
+const SealKeyBytes = store.SealKeyBytes
+
+// sealShared wraps st so that its results are sealed, or warns that they
+// are not. It closes st when the options are wrong.
+func sealShared(st store.Store, kind, prefix string, opts []StoreOption) (Store, error) {
+	var c storeConfig
+	for _, o := range opts {
+		o(&c)
+	}
+	if c.log == nil {
+		c.log = slog.Default()
+	}
+	ring, err := c.keyring()
+	if err != nil {
+		_ = st.Close()
+		return nil, fmt.Errorf("idempotency: %s store: %w", kind, err)
+	}
+	if ring == nil {
+		c.log.Warn("Results are stored unsealed: whoever can read the store reads them, and whoever can write to it can plant a result that a call returns without running fn; pass idempotency.SealKeys or idempotency.SealKeyring",
+			"store", kind, "prefix", prefix)
+		return st, nil
+	}
+	log := c.log
+	return store.Seal(st, store.SealOptions{
+		Keyring: ring,
+		Context: prefix,
+		OnOpenFailure: func(key, reason string) {
+			log.Warn("A stored result failed to open and is treated as absent; fn runs as for a new key", "store", kind, "key", key, "reason", reason)
+		},
+	}), nil
+}
+
+// keyring is the keys given, or nil for none.
+func (c *storeConfig) keyring() (*store.Keyring, error) {
+	switch {
+	case c.err != nil:
+		return nil, c.err
+	case len(c.keys) > 0 && len(c.keyText) > 0:
+		return nil, errors.New("both SealKeys and SealKeyring were given; give the keys one way")
+	case len(c.keyText) > 0:
+		return store.ParseKeyring(strings.Join(c.keyText, "\n"))
+	case len(c.keys) > 0:
+		return store.NewKeyring(c.keys...)
+	}
+	return nil, nil
+}
 
 var (
 	// ErrConflict means the key was already used with another fingerprint; fn
@@ -78,7 +206,8 @@ var (
 	// (or, with WaitTimeout < 0, at all); fn did not run. Retry later.
 	ErrInFlight = errors.New("a call with this idempotency key is still running")
 	// ErrOutcomeUnknown means the first call with this key stopped mid-call (its
-	// process died) and OnAbandoned is Error; fn did not run again.
+	// process died, or fn panicked) and AbandonedError is set; fn did not run
+	// again.
 	ErrOutcomeUnknown = errors.New("outcome unknown: the first call with this key stopped mid-call")
 	// ErrStoreUnavailable means the store cannot be reached and FailOpen is
 	// false; fn did not run.
@@ -87,10 +216,12 @@ var (
 
 // Options tune a Group. Zero values take the defaults.
 type Options struct {
-	// TTL is how long a result is kept and replayed (default 24h).
+	// TTL is how long a result is kept and replayed (default 24h, at least
+	// MinTTL).
 	TTL time.Duration
-	// Lease is how long a claim lives without renewal (default 30s); it is
-	// renewed every third of it while fn runs.
+	// Lease is how long a claim lives without renewal (default 30s, at
+	// least MinLease); it is renewed every third of it while fn runs, and a
+	// renewal that fails is retried at once, with backoff.
 	Lease time.Duration
 	// WaitTimeout bounds how long a duplicate waits for the first call
 	// (default 30s; negative: do not wait, fail with ErrInFlight).
@@ -101,13 +232,42 @@ type Options struct {
 	// FailOpen runs fn without deduplication when the store cannot be
 	// reached, instead of failing with ErrStoreUnavailable.
 	FailOpen bool
+	// Logger gets the Group's warnings: renewals that fail, results that
+	// could not be kept, claims taken over, panics in fn (nil:
+	// slog.Default()).
+	Logger *slog.Logger
+}
+
+// Bounds Options.Validate checks.
+const (
+	// MinLease is the shortest Lease: a lease shorter than a few store
+	// round trips would lapse under a call that still runs.
+	MinLease = 100 * time.Millisecond
+	// MinTTL is the shortest TTL (stores keep time in milliseconds).
+	MinTTL = time.Millisecond
+)
+
+// Validate reports the first option out of its range, naming it and the
+// values it accepts. NewGroup calls it: a Group with invalid options runs
+// nothing and answers every Do with this error.
+func (o Options) Validate() error {
+	switch {
+	case o.TTL < 0 || o.TTL > 0 && o.TTL < MinTTL:
+		return fmt.Errorf("idempotency: Options.TTL is %s; use 0 for the default (24h) or a TTL of at least %s", o.TTL, MinTTL)
+	case o.Lease < 0 || o.Lease > 0 && o.Lease < MinLease:
+		return fmt.Errorf("idempotency: Options.Lease is %s; use 0 for the default (30s) or a lease of at least %s", o.Lease, MinLease)
+	}
+	return nil
 }
 
 // Group deduplicates calls by key. It is safe for concurrent use.
 type Group struct {
-	store Store
-	opts  Options
-	owner string
+	claims *claim.Protocol
+	opts   Options
+	owner  string
+	log    *slog.Logger
+	// invalid is why the Group runs nothing (Options.Validate, or no store).
+	invalid error
 
 	mu      sync.Mutex
 	flights map[string]*flight
@@ -121,18 +281,38 @@ type flight struct {
 	err         error
 }
 
-// NewGroup returns a Group keeping its records in s.
+// NewGroup returns a Group keeping its records in s. If s is nil or o is
+// invalid (see Options.Validate), every Do returns an error saying so.
 func NewGroup(s Store, o Options) *Group {
-	if o.TTL <= 0 {
+	g := &Group{owner: rand.Text(), flights: make(map[string]*flight), log: o.Logger, invalid: o.Validate()}
+	if s == nil && g.invalid == nil {
+		g.invalid = errors.New("idempotency: NewGroup was given no Store; use NewMemoryStore, NewRedisStore or NewPostgresStore")
+	}
+	if o.TTL == 0 {
 		o.TTL = 24 * time.Hour
 	}
-	if o.Lease <= 0 {
+	if o.Lease == 0 {
 		o.Lease = 30 * time.Second
 	}
 	if o.WaitTimeout == 0 {
 		o.WaitTimeout = 30 * time.Second
 	}
-	return &Group{store: s, opts: o, owner: rand.Text(), flights: make(map[string]*flight)}
+	if g.log == nil {
+		g.log = slog.Default()
+	}
+	g.opts = o
+	g.claims = claim.New(claim.Options{
+		Store: s,
+		Log:   g.log,
+		Panicked: func(where string, v any) {
+			g.log.Error("Recovered from a panic; the process goes on", "where", where, "panic", fmt.Sprint(v), "stack", string(debug.Stack()))
+		},
+		PanicAnswer: func(h claim.Held, v any) error {
+			g.log.Error("fn panicked, so its outcome is unknown: its claim is kept until its lease runs out, then AbandonedError decides", "key", h.Key)
+			return &PanicError{Value: v, Stack: debug.Stack()}
+		},
+	})
+	return g
 }
 
 // hash keeps raw keys and fingerprints out of the store.
@@ -145,16 +325,44 @@ func hash(parts ...string) string {
 	return hex.EncodeToString(h.Sum(nil))
 }
 
+// PanicError is what Do returns when fn panicked. Whatever fn did before,
+// its outcome is unknown: the claim is neither kept as a result nor
+// released, it lapses when its lease runs out, and then AbandonedError
+// decides what the next call gets (fn runs again, or ErrOutcomeUnknown).
+// It matches ErrOutcomeUnknown with errors.Is.
+type PanicError struct {
+	// Value is what fn panicked with.
+	Value any
+	// Stack is the stack of the panicking goroutine.
+	Stack []byte
+}
+
+func (e *PanicError) Error() string {
+	return fmt.Sprintf("idempotency: fn panicked (%v), so its outcome is unknown", e.Value)
+}
+
+// Unwrap makes a PanicError match ErrOutcomeUnknown.
+func (e *PanicError) Unwrap() error { return ErrOutcomeUnknown }
+
 // Do runs fn once for key and returns its result; every later call with
 // the same key and fingerprint, in this process or another sharing the
 // store, gets that result with replayed true, for the TTL. The
 // fingerprint identifies what fn does (a hash of its arguments): a key
 // reused with another fingerprint gets ErrConflict.
 //
+// fn runs on a context that ctx's cancel does not reach: once fn may have
+// had its effect, the caller going away must not make a retry run it
+// again. If ctx ends while fn runs, Do returns ctx's error at once, and
+// fn's result is still kept for the retry (Drain waits for such calls).
+//
 // fn's error is returned as is and nothing is kept, so the next call runs
-// fn again. Do's own errors wrap ErrConflict, ErrInFlight,
-// ErrOutcomeUnknown or ErrStoreUnavailable, or are ctx's.
+// fn again. A panic in fn is returned as a *PanicError. Do's own errors
+// wrap ErrConflict, ErrInFlight, ErrOutcomeUnknown or ErrStoreUnavailable,
+// or are ctx's.
 func (g *Group) Do(ctx context.Context, key, fingerprint string, fn func(ctx context.Context) ([]byte, error)) (value []byte, replayed bool, err error) {
+	if g.invalid != nil {
+		return nil, false, g.invalid
+	}
 	if key == "" {
 		return nil, false, errors.New("idempotency: empty key")
 	}
@@ -172,15 +380,7 @@ func (g *Group) Do(ctx context.Context, key, fingerprint string, fn func(ctx con
 			f = &flight{fingerprint: sfp, done: make(chan struct{})}
 			g.flights[skey] = f
 			g.mu.Unlock()
-			f.value, replayed, f.err = g.claim(ctx, skey, sfp, fn)
-			if errors.Is(f.err, ErrConflict) || errors.Is(f.err, ErrInFlight) || errors.Is(f.err, ErrOutcomeUnknown) {
-				f.err = fmt.Errorf("key %q: %w", key, f.err)
-			}
-			g.mu.Lock()
-			delete(g.flights, skey)
-			g.mu.Unlock()
-			close(f.done)
-			return f.value, replayed, f.err
+			return g.lead(ctx, f, key, skey, sfp, fn)
 		}
 		g.mu.Unlock()
 		// A call with this key runs in this process: wait for it here.
@@ -203,8 +403,27 @@ func (g *Group) Do(ctx context.Context, key, fingerprint string, fn func(ctx con
 		if errors.Is(f.err, ErrConflict) || errors.Is(f.err, ErrOutcomeUnknown) {
 			return nil, false, f.err
 		}
-		// The first call failed and kept nothing: try again.
+		// The first call failed and kept nothing (or its caller went away
+		// while it runs on): try again, through the store.
 	}
+}
+
+// lead runs the store's side of a call for this process, and hands its
+// outcome to the calls of this process that wait for it.
+func (g *Group) lead(ctx context.Context, f *flight, key, skey, sfp string, fn func(context.Context) ([]byte, error)) (value []byte, replayed bool, err error) {
+	defer func() {
+		// Whatever happened, the key is free in this process again.
+		f.value, f.err = value, err
+		g.mu.Lock()
+		delete(g.flights, skey)
+		g.mu.Unlock()
+		close(f.done)
+	}()
+	value, replayed, err = g.claim(ctx, skey, sfp, fn)
+	if errors.Is(err, ErrConflict) || errors.Is(err, ErrInFlight) || errors.Is(err, ErrOutcomeUnknown) {
+		err = fmt.Errorf("key %q: %w", key, err)
+	}
+	return value, replayed, err
 }
 
 // claim runs the store's side: reserve, wait for another process's claim,
@@ -213,105 +432,107 @@ func (g *Group) claim(ctx context.Context, key, fp string, fn func(context.Conte
 	owner := g.owner + "-" + rand.Text()
 	c := store.Claim{Key: key, Fingerprint: fp, Owner: owner, Lease: g.opts.Lease,
 		Retention: max(g.opts.TTL, g.opts.Lease), TakeOver: !g.opts.AbandonedError}
-	waitCtx := ctx
-	if g.opts.WaitTimeout > 0 {
-		var cancel context.CancelFunc
-		waitCtx, cancel = context.WithTimeout(ctx, g.opts.WaitTimeout)
-		defer cancel()
+	r, err := g.claims.Reserve(ctx, c, claim.Waits{Timeout: g.opts.WaitTimeout, Reject: g.opts.WaitTimeout < 0})
+	switch {
+	case err == nil:
+	case errors.Is(err, claim.ErrConflict):
+		return nil, false, ErrConflict
+	case errors.Is(err, claim.ErrInFlight):
+		return nil, false, ErrInFlight
+	case errors.Is(err, claim.ErrWaitTimeout):
+		return nil, false, fmt.Errorf("%w after waiting %s", ErrInFlight, g.opts.WaitTimeout)
+	default:
+		unavailable := (*claim.UnavailableError)(nil)
+		if !errors.As(err, &unavailable) {
+			return nil, false, err // ctx's
+		}
+		if unavailable.Held {
+			// Another process holds the key: never run fn beside it.
+			return nil, false, fmt.Errorf("%w: the store became unreachable while waiting: %w", ErrInFlight, unavailable.Err)
+		}
+		if g.opts.FailOpen {
+			v, err := callUnclaimed(ctx, fn)
+			return v, false, err
+		}
+		return nil, false, fmt.Errorf("idempotency: %w", unavailable.Err)
 	}
-	for {
-		r, err := g.store.Reserve(ctx, c)
-		if err != nil {
-			if ctx.Err() != nil {
-				return nil, false, ctx.Err()
-			}
-			go g.releaseQuietly(key, owner) // it may have applied
-			if g.opts.FailOpen {
-				v, err := fn(ctx)
-				return v, false, err
-			}
-			return nil, false, fmt.Errorf("idempotency: %w", err)
+	switch r.State {
+	case store.Won:
+		if ctx.Err() != nil {
+			// The caller gave up before fn started: nothing ran, so the
+			// next call must find the key free.
+			_ = g.claims.Release(context.WithoutCancel(ctx), key, owner, func() {})
+			return nil, false, ctx.Err()
 		}
-		if r.State != store.Won && r.Fingerprint != fp {
-			return nil, false, ErrConflict
+		if r.TookOver {
+			g.log.Warn("Took over an abandoned claim: its process stopped mid-call, and fn runs again", "key", key)
 		}
-		switch r.State {
-		case store.Won:
-			return g.run(ctx, key, owner, fn)
-		case store.Completed:
-			return r.Response, true, nil
-		case store.Abandoned:
-			return nil, false, ErrOutcomeUnknown
-		case store.Pending:
-			if g.opts.WaitTimeout < 0 {
-				return nil, false, ErrInFlight
-			}
-			if err := g.store.Wait(waitCtx, key); err != nil {
-				if ctx.Err() != nil {
-					return nil, false, ctx.Err()
-				}
-				if waitCtx.Err() != nil {
-					return nil, false, fmt.Errorf("%w after waiting %s", ErrInFlight, g.opts.WaitTimeout)
-				}
-				return nil, false, fmt.Errorf("%w: the store became unreachable while waiting: %w", ErrInFlight, err)
-			}
-		}
+		return g.run(ctx, key, owner, fn)
+	case store.Completed:
+		return r.Response, true, nil
+	default: // store.Abandoned
+		return nil, false, ErrOutcomeUnknown
 	}
 }
 
-// run calls fn under a claim this owner holds, renewing its lease, and
-// keeps the result or releases the claim.
+// run calls fn under a claim this owner holds, detached from ctx's cancel,
+// and keeps the result or releases the claim.
 func (g *Group) run(ctx context.Context, key, owner string, fn func(context.Context) ([]byte, error)) ([]byte, bool, error) {
-	renewCtx, stopRenew := context.WithCancel(context.WithoutCancel(ctx))
-	go func() {
-		t := time.NewTicker(g.opts.Lease / 3)
-		defer t.Stop()
-		for {
-			select {
-			case <-renewCtx.Done():
-				return
-			case <-t.C:
-				if errors.Is(g.store.Renew(renewCtx, key, owner, g.opts.Lease), store.ErrNotOwner) {
-					return
-				}
+	held := claim.Held{Key: key, Owner: owner, Lease: g.opts.Lease}
+	var value []byte
+	err := g.claims.Run(ctx, held, func(ctx context.Context, answer func(error)) {
+		v, err := fn(ctx)
+		if err != nil {
+			if rerr := g.claims.Release(ctx, key, owner, func() { answer(err) }); rerr != nil {
+				g.writeFailed("release", key, rerr)
 			}
-		}
-	}()
-	defer stopRenew()
-	v, err := fn(ctx)
-	settleCtx := context.WithoutCancel(ctx)
-	if err != nil {
-		g.retry(settleCtx, func(ctx context.Context) error { return g.store.Release(ctx, key, owner) })
-		return nil, false, err
-	}
-	if v == nil {
-		v = []byte{}
-	}
-	// fn ran: its result goes to the caller whether or not it could be
-	// kept (if not, the claim's lease runs out and a retry may run fn).
-	g.retry(settleCtx, func(ctx context.Context) error { return g.store.Complete(ctx, key, owner, v, g.opts.TTL) })
-	return v, false, nil
-}
-
-// retry gives a store write a few chances: a lost Complete would let a
-// retry run fn again once the lease runs out.
-func (g *Group) retry(ctx context.Context, op func(context.Context) error) {
-	for _, pause := range []time.Duration{0, 100 * time.Millisecond, 500 * time.Millisecond, 2 * time.Second} {
-		time.Sleep(pause)
-		opCtx, cancel := context.WithTimeout(ctx, 5*time.Second)
-		err := op(opCtx)
-		cancel()
-		if err == nil || errors.Is(err, store.ErrNotOwner) {
 			return
 		}
+		if v == nil {
+			v = []byte{}
+		}
+		value = v
+		// fn ran: its result goes to the caller once the first attempt to
+		// keep it is made, and it is retried while the lease is renewed.
+		if cerr := g.claims.Complete(ctx, key, owner, v, g.opts.TTL, func() { answer(nil) }); cerr != nil {
+			g.writeFailed("complete", key, cerr)
+		}
+	})
+	switch {
+	case errors.Is(err, claim.ErrDetached):
+		return nil, false, ctx.Err()
+	case err != nil:
+		return nil, false, err
+	}
+	return value, false, nil
+}
+
+// callUnclaimed runs fn with no claim (FailOpen), returning a panic as a
+// *PanicError as a claimed call does.
+func callUnclaimed(ctx context.Context, fn func(context.Context) ([]byte, error)) (v []byte, err error) {
+	defer func() {
+		if p := recover(); p != nil {
+			v, err = nil, &PanicError{Value: p, Stack: debug.Stack()}
+		}
+	}()
+	return fn(ctx)
+}
+
+func (g *Group) writeFailed(op, key string, err error) {
+	switch {
+	case errors.Is(err, claim.ErrProbablyApplied):
+		g.log.Warn("Store write retried after an error; the earlier attempt most likely applied", "op", op, "key", key)
+	case errors.Is(err, store.ErrNotOwner):
+		g.log.Error("The claim was taken over before fn finished; its result is not kept", "op", op, "key", key)
+	default:
+		g.log.Error("Store write failed after fn ran; once the claim's lease runs out, AbandonedError decides what a retry gets", "op", op, "key", key, "err", err)
 	}
 }
 
-func (g *Group) releaseQuietly(key, owner string) {
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-	defer cancel()
-	_ = g.store.Release(ctx, key, owner)
-}
+// Drain waits until every call whose fn still runs after its caller went
+// away has finished and its result is kept (or released), or ctx ends.
+// Call it before the process exits.
+func (g *Group) Drain(ctx context.Context) error { return g.claims.Drain(ctx) }
 
 // DoJSON is Do for values kept as JSON: v is fn's value, or the kept one
 // decoded into a fresh T.

@@ -9,6 +9,13 @@
 //	mw, err := mcpmiddleware.New(mcpmiddleware.Options{Store: st})
 //	server.AddReceivingMiddleware(mw.Handler)
 //
+// Open a shared store with seal keys, as the sidecar's are (the policy's
+// seal Secret, IDEMCP_SEAL_KEYS in its format), and the middleware's
+// results are sealed: nobody who can write to the store can plant one.
+//
+//	st, err := idempotency.NewRedisStore(idempotency.RedisOptions{Addrs: addrs, Prefix: "payments:"},
+//		idempotency.SealKeyring(os.Getenv("IDEMCP_SEAL_KEYS")))
+//
 // Who calls: the principal is the SDK's auth info (TokenInfo.UserID, set by
 // auth.RequireBearerToken), else the policy's principal header (default
 // Authorization) of the HTTP request; the session is the SDK's session id
@@ -52,7 +59,9 @@ type Options struct {
 	// PolicyYAML is an IdempotencyPolicy manifest, as kubectl applies it;
 	// exclusive with Policy.
 	PolicyYAML []byte
-	// Store keeps claims and results (nil: a memory store).
+	// Store keeps claims and results (nil: a memory store). A shared store
+	// seals results when it was opened with seal keys
+	// (idempotency.SealKeys, idempotency.SealKeyring).
 	Store idempotency.Store
 	// Logger gets the engine's warnings (nil: none).
 	Logger *slog.Logger

@@ -17,9 +17,9 @@ import (
 	"strconv"
 	"sync"
 	"sync/atomic"
-	"time"
 
 	"github.com/idemcp/idemcp/api/v1alpha1"
+	"github.com/idemcp/idemcp/internal/claim"
 	"github.com/idemcp/idemcp/internal/policy"
 	"github.com/idemcp/idemcp/sidecar/mcpmsg"
 	"github.com/idemcp/idemcp/sidecar/store"
@@ -42,13 +42,13 @@ var ErrDetached = errors.New("client went away; the call goes on and its result 
 type Engine struct {
 	policy  atomic.Pointer[policy.Policy]
 	store   store.Store
+	claims  *claim.Protocol
 	hints   *ToolHints
 	metrics *Metrics
 	log     *slog.Logger
 
 	instance string
 	seq      atomic.Uint64
-	running  activity
 
 	unscoped     atomic.Uint64
 	unscopedOnce sync.Once
@@ -86,6 +86,20 @@ func New(o Options) *Engine {
 		p = policy.Default()
 	}
 	e.policy.Store(p)
+	e.claims = claim.New(claim.Options{
+		Store:      e.store,
+		Log:        e.log,
+		StoreError: func(op string) { e.metrics.StoreErrors.WithLabelValues(op).Inc() },
+		Panicked:   e.panicked,
+		PanicAnswer: func(h claim.Held, _ any) error {
+			// Whatever ran upstream, its outcome is unknown: the claim is
+			// neither stored nor released, its lease runs out and
+			// onAbandoned decides what a retry gets.
+			e.log.Error("A call's outcome is unknown: its claim is kept until its lease runs out, then onAbandoned decides", "tool", h.Tool)
+			return &Error{Code: mcpmsg.CodeInternalError, Message: fmt.Sprintf(
+				"idemcp failed while relaying or storing the call to %q, so its outcome is unknown; a retry after leaseDuration (%s) is decided by onAbandoned", h.Tool, h.Lease)}
+		},
+	})
 	var b [8]byte
 	_, _ = rand.Read(b[:])
 	e.instance = hex.EncodeToString(b[:])
@@ -282,7 +296,7 @@ type Outcome struct {
 // ErrDetached if ctx ended while this call was running upstream.
 func (e *Engine) Execute(ctx context.Context, p *Plan, fwd Forward) (Outcome, error) {
 	owner := e.instance + "-" + strconv.FormatUint(e.seq.Add(1), 36)
-	claim := store.Claim{
+	c := store.Claim{
 		Key:         p.Key,
 		Fingerprint: p.Fingerprint,
 		Owner:       owner,
@@ -291,86 +305,67 @@ func (e *Engine) Execute(ctx context.Context, p *Plan, fwd Forward) (Outcome, er
 		TakeOver:    p.Rule.OnAbandoned != v1alpha1.AbandonedError,
 		Tenant:      p.Tenant,
 	}
-	// The wait deadline starts at the first pending answer: most calls
-	// never wait, and need no timer.
-	var waitCtx context.Context
-	sawPending := false
-	for {
-		r, err := e.store.Reserve(ctx, claim)
-		if err != nil {
-			// The store may have applied the claim before the error: drop
-			// it, or nobody would own it until its lease runs out.
-			e.Go("release", func() { e.releaseQuietly(p.Key, owner) })
-			if ctx.Err() != nil {
-				return Outcome{}, ctx.Err()
+	waits := claim.Waits{
+		Timeout: p.Policy.WaitTimeout,
+		Reject:  p.Policy.InFlight == v1alpha1.InFlightReject,
+		Admit: func() (func(), error) {
+			stopWaiting, over := e.waiters.acquire(p.Key, p.Tenant)
+			if over != "" {
+				return nil, e.tooManyWaiters(p, over)
 			}
-			e.metrics.StoreErrors.WithLabelValues("reserve").Inc()
-			if sawPending {
-				return Outcome{}, e.stillRunning(p, err)
-			}
-			return e.storeUnavailable(ctx, p, fwd, err)
-		}
+			return stopWaiting, nil
+		},
+	}
+	r, err := e.claims.Reserve(ctx, c, waits)
+	switch {
+	case err == nil:
+	case errors.Is(err, claim.ErrConflict):
 		// Stores never take over a claim of other arguments (the store
 		// contract): an explicit key reused with them is refused, whether
 		// its first call completed, runs or was abandoned.
-		if r.State != store.Won && r.Fingerprint != p.Fingerprint {
-			e.metrics.Calls.WithLabelValues(OutcomeRejected).Inc()
-			return Outcome{}, &Error{Code: mcpmsg.CodeKeyConflict, Message: fmt.Sprintf(
-				"idempotency key conflict: this key was already used for a call with different arguments (tool %q); use a new key for a new operation", p.Tool)}
-		}
-		switch r.State {
-		case store.Won:
-			if r.TookOver {
-				e.metrics.TakeOvers.Inc()
-				e.log.Warn("Took over an abandoned claim", "tool", p.Tool, "key", p.Key)
-			}
-			return e.run(ctx, p, owner, fwd)
-		case store.Completed:
-			session, resp := taskSession(r.Response)
-			if session != "" && session != sessionHash(p.caller) {
-				e.metrics.Calls.WithLabelValues(OutcomeRejected).Inc()
-				return Outcome{}, &Error{Code: mcpmsg.CodeTaskElsewhere, Message: fmt.Sprintf(
-					"the first call to %q with this key created a task in another MCP session, and a task can be read only in the session that created it; it is not run again. Read the task from that session, or use a new key to start a new one", p.Tool)}
-			}
-			e.metrics.Calls.WithLabelValues(OutcomeReplayed).Inc()
-			return Outcome{Kind: Replayed, Response: resp}, nil
-		case store.Abandoned:
-			e.metrics.Calls.WithLabelValues(OutcomeRejected).Inc()
-			return Outcome{}, &Error{Code: mcpmsg.CodeOutcomeUnknown, Message: fmt.Sprintf(
-				"outcome unknown: the first call to %q with this key stopped mid-call (its sidecar died) and onAbandoned is Error, so it is not run again; check whether it took effect", p.Tool)}
-		case store.Pending:
-			if !sawPending {
-				var cancel context.CancelFunc
-				waitCtx, cancel = context.WithTimeout(ctx, p.Policy.WaitTimeout)
-				defer cancel()
-			}
-			sawPending = true
-			if p.Policy.InFlight == v1alpha1.InFlightReject {
-				e.metrics.Calls.WithLabelValues(OutcomeRejected).Inc()
-				return Outcome{}, &Error{Code: mcpmsg.CodeInFlight, Message: fmt.Sprintf(
-					"a call to %q with this key is still running; retry later to get its result", p.Tool)}
-			}
-			stopWaiting, over := e.waiters.acquire(p.Key, p.Tenant)
-			if over != "" {
-				return Outcome{}, e.tooManyWaiters(p, over)
-			}
-			err := e.store.Wait(waitCtx, p.Key)
-			stopWaiting()
-			if err != nil {
-				if ctx.Err() != nil {
-					return Outcome{}, ctx.Err()
-				}
-				if waitCtx.Err() != nil {
-					e.metrics.Calls.WithLabelValues(OutcomeRejected).Inc()
-					return Outcome{}, &Error{Code: mcpmsg.CodeInFlight, Message: fmt.Sprintf(
-						"a call to %q with this key is still running after waiting %s (waitTimeout); retry later to get its result", p.Tool, p.Policy.WaitTimeout)}
-				}
+		e.metrics.Calls.WithLabelValues(OutcomeRejected).Inc()
+		return Outcome{}, &Error{Code: mcpmsg.CodeKeyConflict, Message: fmt.Sprintf(
+			"idempotency key conflict: this key was already used for a call with different arguments (tool %q); use a new key for a new operation", p.Tool)}
+	case errors.Is(err, claim.ErrInFlight):
+		e.metrics.Calls.WithLabelValues(OutcomeRejected).Inc()
+		return Outcome{}, &Error{Code: mcpmsg.CodeInFlight, Message: fmt.Sprintf(
+			"a call to %q with this key is still running; retry later to get its result", p.Tool)}
+	case errors.Is(err, claim.ErrWaitTimeout):
+		e.metrics.Calls.WithLabelValues(OutcomeRejected).Inc()
+		return Outcome{}, &Error{Code: mcpmsg.CodeInFlight, Message: fmt.Sprintf(
+			"a call to %q with this key is still running after waiting %s (waitTimeout); retry later to get its result", p.Tool, p.Policy.WaitTimeout)}
+	default:
+		if unavailable := (*claim.UnavailableError)(nil); errors.As(err, &unavailable) {
+			if unavailable.Held {
 				// The store said another call holds this key: never
 				// forward a second one, whatever onStoreUnavailable says.
-				e.metrics.StoreErrors.WithLabelValues("wait").Inc()
-				return Outcome{}, e.stillRunning(p, err)
+				return Outcome{}, e.stillRunning(p, unavailable.Err)
 			}
+			return e.storeUnavailable(ctx, p, fwd, unavailable.Err)
 		}
+		// ctx's error, or too many waiters (already counted).
+		return Outcome{}, err
+	}
+	switch r.State {
+	case store.Won:
+		if r.TookOver {
+			e.metrics.TakeOvers.Inc()
+			e.log.Warn("Took over an abandoned claim", "tool", p.Tool, "key", p.Key)
+		}
+		return e.run(ctx, p, owner, fwd)
+	case store.Completed:
+		session, resp := taskSession(r.Response)
+		if session != "" && session != sessionHash(p.caller) {
+			e.metrics.Calls.WithLabelValues(OutcomeRejected).Inc()
+			return Outcome{}, &Error{Code: mcpmsg.CodeTaskElsewhere, Message: fmt.Sprintf(
+				"the first call to %q with this key created a task in another MCP session, and a task can be read only in the session that created it; it is not run again. Read the task from that session, or use a new key to start a new one", p.Tool)}
+		}
+		e.metrics.Calls.WithLabelValues(OutcomeReplayed).Inc()
+		return Outcome{Kind: Replayed, Response: resp}, nil
+	default: // store.Abandoned
+		e.metrics.Calls.WithLabelValues(OutcomeRejected).Inc()
+		return Outcome{}, &Error{Code: mcpmsg.CodeOutcomeUnknown, Message: fmt.Sprintf(
+			"outcome unknown: the first call to %q with this key stopped mid-call (its sidecar died) and onAbandoned is Error, so it is not run again; check whether it took effect", p.Tool)}
 	}
 }
 
@@ -380,13 +375,6 @@ func (e *Engine) stillRunning(p *Plan, err error) error {
 	e.metrics.Calls.WithLabelValues(OutcomeRejected).Inc()
 	return &Error{Code: mcpmsg.CodeInFlight, Message: fmt.Sprintf(
 		"a call to %q with this key is running, and the idempotency store became unreachable while waiting for it (%v); retry later to get its result", p.Tool, err)}
-}
-
-// releaseQuietly drops a claim this owner may hold, best effort.
-func (e *Engine) releaseQuietly(key, owner string) {
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-	defer cancel()
-	_ = e.store.Release(ctx, key, owner)
 }
 
 func (e *Engine) storeUnavailable(ctx context.Context, p *Plan, fwd Forward, err error) (Outcome, error) {
@@ -399,9 +387,9 @@ func (e *Engine) storeUnavailable(ctx context.Context, p *Plan, fwd Forward, err
 		}
 		if up.Later != nil {
 			// Nothing is stored, but Later holds resources until it ends.
-			e.running.add()
+			done := e.claims.Track()
 			go func() {
-				defer e.running.done()
+				defer done()
 				_, _ = up.Later(context.WithoutCancel(ctx))
 			}()
 		}
@@ -416,32 +404,8 @@ func (e *Engine) storeUnavailable(ctx context.Context, p *Plan, fwd Forward, err
 // run executes the call this owner won, detached from ctx: a client that
 // disconnects or cancels does not stop it, and its result is stored.
 func (e *Engine) run(ctx context.Context, p *Plan, owner string, fwd Forward) (Outcome, error) {
-	done := make(chan error, 1)
-	e.running.add()
-	go func() {
-		defer e.running.done()
-		answered := false
-		answer := func(err error) {
-			if !answered {
-				answered = true
-				done <- err
-			}
-		}
-		defer func() {
-			if v := recover(); v != nil {
-				// Whatever ran upstream, its outcome is unknown: the claim
-				// is neither stored nor released, its lease runs out (the
-				// deferred stopRenew below has already stopped renewing)
-				// and onAbandoned decides what a retry gets.
-				e.panicked("run", v)
-				e.log.Error("A call's outcome is unknown: its claim is kept until its lease runs out, then onAbandoned decides", "tool", p.Tool)
-				answer(&Error{Code: mcpmsg.CodeInternalError, Message: fmt.Sprintf(
-					"idemcp failed while relaying or storing the call to %q, so its outcome is unknown; a retry after leaseDuration (%s) is decided by onAbandoned", p.Tool, p.Policy.LeaseDuration)})
-			}
-		}()
-		runCtx := context.WithoutCancel(ctx)
-		stopRenew := e.renew(runCtx, p, owner)
-		defer stopRenew() // the lease lives until the result is stored
+	held := claim.Held{Key: p.Key, Owner: owner, Lease: p.Policy.LeaseDuration, Tool: p.Tool}
+	err := e.claims.Run(ctx, held, func(runCtx context.Context, answer func(error)) {
 		up, err := fwd(runCtx)
 		if err == nil && up.Later != nil {
 			// The client's part is over (it resumes on its own); the
@@ -460,18 +424,16 @@ func (e *Engine) run(ctx context.Context, p *Plan, owner string, fwd Forward) (O
 		// result, not a claim it would be refused for: answer once the
 		// first attempt to store is made.
 		e.settle(runCtx, p, owner, up, err, firstTried)
-	}()
-	select {
-	case err := <-done:
-		if err != nil {
-			return Outcome{}, err
-		}
-		e.metrics.Calls.WithLabelValues(OutcomeExecuted).Inc()
-		return Outcome{Kind: Executed}, nil
-	case <-ctx.Done():
+	})
+	switch {
+	case errors.Is(err, claim.ErrDetached):
 		e.metrics.Calls.WithLabelValues(OutcomeExecuted).Inc()
 		return Outcome{}, ErrDetached
+	case err != nil:
+		return Outcome{}, err
 	}
+	e.metrics.Calls.WithLabelValues(OutcomeExecuted).Inc()
+	return Outcome{Kind: Executed}, nil
 }
 
 // Recover stops a panic from ending the process when deferred at the top
@@ -501,120 +463,12 @@ func (e *Engine) panicked(where string, v any) {
 // legacy SSE call answered 202 before it runs) until done is called, so
 // Drain waits for it too. Call it before the handler that starts the work
 // returns.
-func (e *Engine) Track() (done func()) {
-	e.running.add()
-	return sync.OnceFunc(e.running.done)
-}
+func (e *Engine) Track() (done func()) { return e.claims.Track() }
 
 // Drain waits until every call running upstream has finished and its
 // result is stored or released, or ctx ends. A sidecar drains before it
 // exits so that a detached call is not lost.
-func (e *Engine) Drain(ctx context.Context) error {
-	select {
-	case <-e.running.idle():
-		return nil
-	case <-ctx.Done():
-		return ctx.Err()
-	}
-}
-
-// activity counts work in progress. Unlike a WaitGroup, new work may start
-// while someone waits for it to drop to zero.
-type activity struct {
-	mu   sync.Mutex
-	n    int
-	zero chan struct{} // closed while n == 0
-}
-
-func (a *activity) add() {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	if a.n == 0 {
-		a.zero = make(chan struct{})
-	}
-	a.n++
-}
-
-func (a *activity) done() {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	a.n--
-	if a.n == 0 {
-		close(a.zero)
-	}
-}
-
-// idle returns a channel closed when no work is in progress.
-func (a *activity) idle() <-chan struct{} {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	if a.n == 0 {
-		c := make(chan struct{})
-		close(c)
-		return c
-	}
-	return a.zero
-}
-
-// Renewal retries: a renewal that fails is tried again soon, backing off
-// up to renewRetryMax, rather than a whole lease/3 later, since the lease
-// may run out meanwhile and a retry take the claim over.
-var (
-	renewRetryMin = 25 * time.Millisecond
-	renewRetryMax = time.Second
-)
-
-// renew keeps the claim's lease alive while the upstream call runs.
-func (e *Engine) renew(ctx context.Context, p *Plan, owner string) (stop func()) {
-	ctx, cancel := context.WithCancel(ctx)
-	lease := p.Policy.LeaseDuration
-	every := lease / 3
-	e.Go("renew", func() {
-		t := time.NewTimer(every)
-		defer t.Stop()
-		leaseEnd := time.Now().Add(lease)
-		backoff := time.Duration(0)
-		for {
-			select {
-			case <-ctx.Done():
-				return
-			case <-t.C:
-			}
-			start := time.Now()
-			opCtx, opCancel := context.WithTimeout(ctx, every)
-			err := e.store.Renew(opCtx, p.Key, owner, lease)
-			opCancel()
-			switch {
-			case err == nil:
-				leaseEnd, backoff = start.Add(lease), 0
-				t.Reset(every)
-			case errors.Is(err, store.ErrNotOwner):
-				e.log.Error("Lost the claim while the call runs: another caller took it over", "tool", p.Tool, "key", p.Key)
-				return
-			case ctx.Err() != nil:
-				return
-			default:
-				e.metrics.StoreErrors.WithLabelValues("renew").Inc()
-				if backoff == 0 {
-					// Once per run of failures: the retries follow quickly.
-					e.log.Warn("Renewing the claim failed; retrying until the lease runs out", "tool", p.Tool, "key", p.Key, "leaseLeft", time.Until(leaseEnd).Round(time.Millisecond).String(), "err", err)
-				}
-				backoff = min(max(2*backoff, renewRetryMin), renewRetryMax)
-				next := backoff
-				if left := time.Until(leaseEnd); left <= 0 {
-					// The lease has run out: another caller may take the
-					// claim over now; keep trying at the usual pace, since a
-					// renewal still succeeds if nobody has.
-					next = every
-				} else if next > left {
-					next = max(left/2, renewRetryMin)
-				}
-				t.Reset(next)
-			}
-		}
-	})
-	return cancel
-}
+func (e *Engine) Drain(ctx context.Context) error { return e.claims.Drain(ctx) }
 
 // Reasons a result is not kept (idemcp_results_not_stored_total).
 const (
@@ -654,7 +508,7 @@ func (e *Engine) settle(ctx context.Context, p *Plan, owner string, up Upstream,
 	}
 	if reason != "" && reason != ReasonTooLarge {
 		e.metrics.NotStored.WithLabelValues(reason).Inc()
-		if rerr := e.retryStore(ctx, firstTried, func(ctx context.Context) error { return e.store.Release(ctx, p.Key, owner) }); rerr != nil {
+		if rerr := e.claims.Release(ctx, p.Key, owner, firstTried); rerr != nil {
 			e.storeWriteFailed("release", p, rerr)
 		}
 		return
@@ -664,44 +518,13 @@ func (e *Engine) settle(ctx context.Context, p *Plan, owner string, up Upstream,
 		e.log.Warn("Result over maxResultBytes was forwarded but not stored; retries get an error, not a second run",
 			"tool", p.Tool, "bytes", len(up.Response), "maxResultBytes", p.Policy.MaxResultBytes)
 	}
-	if cerr := e.retryStore(ctx, firstTried, func(ctx context.Context) error { return e.store.Complete(ctx, p.Key, owner, stored, p.Rule.TTL) }); cerr != nil {
+	if cerr := e.claims.Complete(ctx, p.Key, owner, stored, p.Rule.TTL, firstTried); cerr != nil {
 		e.storeWriteFailed("complete", p, cerr)
 	}
 }
 
-// storeRetries bound how long a result is retried into a store that fails:
-// a lost Complete would let the lease run out and a retry run the tool
-// again, so a blip (or a Sentinel failover) is waited out while the lease
-// is renewed.
-var storeRetries = []time.Duration{50 * time.Millisecond, 200 * time.Millisecond, 500 * time.Millisecond, time.Second, 2 * time.Second, 4 * time.Second, 8 * time.Second}
-
-func (e *Engine) retryStore(ctx context.Context, firstTried func(), op func(context.Context) error) error {
-	firstTried = sync.OnceFunc(firstTried)
-	defer firstTried()
-	var err error
-	for i := 0; ; i++ {
-		opCtx, cancel := context.WithTimeout(ctx, 5*time.Second)
-		err = op(opCtx)
-		cancel()
-		firstTried()
-		if i > 0 && errors.Is(err, store.ErrNotOwner) {
-			// An earlier attempt whose reply was lost may have applied.
-			return errProbablyApplied
-		}
-		if err == nil || errors.Is(err, store.ErrNotOwner) || i == len(storeRetries) {
-			return err
-		}
-		e.metrics.StoreErrors.WithLabelValues("retry").Inc()
-		time.Sleep(storeRetries[i])
-	}
-}
-
-// errProbablyApplied: a retried store write found the claim gone, most
-// likely because an attempt whose reply was lost had applied it.
-var errProbablyApplied = errors.New("a retried store write found the claim already settled; an earlier attempt probably applied")
-
 func (e *Engine) storeWriteFailed(op string, p *Plan, err error) {
-	if errors.Is(err, errProbablyApplied) {
+	if errors.Is(err, claim.ErrProbablyApplied) {
 		e.log.Warn("Store write retried after an error; the earlier attempt most likely applied", "tool", p.Tool, "op", op)
 		return
 	}
