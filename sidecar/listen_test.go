@@ -2,6 +2,7 @@ package sidecar
 
 import (
 	"bufio"
+	"errors"
 	"io"
 	"net"
 	"net/http"
@@ -156,7 +157,7 @@ func TestLimitConnHalfCloses(t *testing.T) {
 		t.Fatal(err)
 	}
 	_ = client.SetReadDeadline(time.Now().Add(5 * time.Second))
-	if _, err := client.Read(make([]byte, 1)); err != io.EOF {
+	if _, err := client.Read(make([]byte, 1)); !errors.Is(err, io.EOF) {
 		t.Fatalf("the client read %v after the server's CloseWrite, want EOF", err)
 	}
 	if _, err := io.WriteString(client, "still writing"); err != nil {

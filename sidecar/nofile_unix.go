@@ -11,5 +11,5 @@ func openFileLimit() uint64 {
 	if err := syscall.Getrlimit(syscall.RLIMIT_NOFILE, &l); err != nil {
 		return 0
 	}
-	return uint64(l.Cur)
+	return uint64(l.Cur) //nolint:unconvert // int64 on some unix systems (FreeBSD)
 }
