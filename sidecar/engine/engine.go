@@ -287,7 +287,7 @@ func (e *Engine) Execute(ctx context.Context, p *Plan, fwd Forward) (Outcome, er
 		Fingerprint: p.Fingerprint,
 		Owner:       owner,
 		Lease:       p.Policy.LeaseDuration,
-		Retention:   max(p.Rule.TTL, p.Policy.LeaseDuration),
+		Retention:   max(p.keepFor(), p.Policy.LeaseDuration),
 		TakeOver:    p.Rule.OnAbandoned != v1alpha1.AbandonedError,
 		Tenant:      p.Tenant,
 	}
@@ -664,7 +664,7 @@ func (e *Engine) settle(ctx context.Context, p *Plan, owner string, up Upstream,
 		e.log.Warn("Result over maxResultBytes was forwarded but not stored; retries get an error, not a second run",
 			"tool", p.Tool, "bytes", len(up.Response), "maxResultBytes", p.Policy.MaxResultBytes)
 	}
-	if cerr := e.retryStore(ctx, firstTried, func(ctx context.Context) error { return e.store.Complete(ctx, p.Key, owner, stored, p.Rule.TTL) }); cerr != nil {
+	if cerr := e.retryStore(ctx, firstTried, func(ctx context.Context) error { return e.store.Complete(ctx, p.Key, owner, stored, p.keepFor()) }); cerr != nil {
 		e.storeWriteFailed("complete", p, cerr)
 	}
 }
