@@ -48,7 +48,9 @@ type Options struct {
 	PolicyFile string
 	// Policy is an inline IdempotencyPolicy manifest (YAML or JSON).
 	Policy string
-	Store  sidecar.StoreOptions
+	// RetryWindow, when not 0, overrides the policy's spec.retryWindow.
+	RetryWindow time.Duration
+	Store       sidecar.StoreOptions
 	// MaxLineBytes bounds one message from the client.
 	MaxLineBytes int
 	// MaxResponseBytes bounds one message from the server.
@@ -63,6 +65,7 @@ type Options struct {
 func (o *Options) Flags(fs *flag.FlagSet) {
 	fs.StringVar(&o.PolicyFile, "policy-file", "", "an IdempotencyPolicy YAML file; only its spec is used (default: Memory store, Session scope, Auto, 24h TTL)")
 	fs.StringVar(&o.Policy, "policy", "", "an inline IdempotencyPolicy manifest (YAML or JSON); exclusive with --policy-file")
+	fs.DurationVar(&o.RetryWindow, "retry-window", 0, sidecar.RetryWindowFlag)
 	o.Store.Flags(fs)
 	fs.IntVar(&o.MaxLineBytes, "max-line-bytes", DefaultMaxLineBytes, "largest message accepted from the client")
 	fs.IntVar(&o.MaxResponseBytes, "max-response-bytes", DefaultMaxResponseBytes, "largest message relayed from the MCP server")
@@ -199,6 +202,9 @@ func New(o Options, argv []string, stdin io.Reader, stdout, stderr io.Writer) (*
 	log := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: level})).With("component", "idemcp-wrap")
 	pol, err := sidecar.LoadPolicy(o.PolicyFile, o.Policy)
 	if err != nil {
+		return nil, err
+	}
+	if pol, err = sidecar.WithRetryWindow(pol, o.RetryWindow); err != nil {
 		return nil, err
 	}
 	if o.Store.Upstream == "" {
