@@ -106,20 +106,15 @@ func (e *Engine) Hints() *ToolHints { return e.hints }
 func (e *Engine) Metrics() *Metrics { return e.metrics }
 
 // Deduplicates reports whether calls to tool are deduplicated under the
-// policy in force, resolving Auto with the server's readOnlyHint.
+// policy in force, resolving Auto with the server's annotations (see
+// classify). A call it passes through is counted by reason here, as it
+// never reaches Plan.
 func (e *Engine) Deduplicates(tool string) bool {
-	return e.deduplicates(e.policy.Load().RuleFor(tool), tool)
-}
-
-func (e *Engine) deduplicates(r *policy.Rule, tool string) bool {
-	switch r.Mode {
-	case v1alpha1.ModeDeduplicate:
-		return true
-	case v1alpha1.ModePassthrough:
-		return false
-	default:
-		return !e.hints.ReadOnly(tool)
+	dedup, reason := e.classify(e.policy.Load().RuleFor(tool), tool)
+	if !dedup {
+		e.countClassified(dedup, reason)
 	}
+	return dedup
 }
 
 // CountPassthrough counts a tools/call forwarded without deduplication
@@ -192,7 +187,9 @@ type Plan struct {
 func (e *Engine) Plan(tc *ToolCall, c Caller) (*Plan, error) {
 	p := e.policy.Load()
 	rule := p.RuleFor(tc.Name)
-	if !e.deduplicates(rule, tc.Name) {
+	dedup, reason := e.classify(rule, tc.Name)
+	e.countClassified(dedup, reason)
+	if !dedup {
 		// A key on a call that is not deduplicated means nothing to us;
 		// the server gets the call exactly as sent.
 		e.CountPassthrough()

@@ -239,7 +239,7 @@ func New(o Options, argv []string, stdin io.Reader, stdout, stderr io.Writer) (*
 
 		ownList: newOwnList(),
 	}
-	w.lister = toollist.New(toollist.Options{Hints: eng.Hints(), List: w.listTools, Logger: log})
+	w.lister = toollist.New(toollist.Options{Hints: eng.Hints(), List: w.listTools, Logger: log, Listed: eng.ReportAnnotations})
 	return w, nil
 }
 
