@@ -149,7 +149,7 @@ func (o *Options) Flags(fs *flag.FlagSet) {
 	fs.StringVar(&o.Listen, "listen", ":8081", "address the proxy listens on")
 	fs.StringVar(&o.Upstream, "upstream", "", "URL of the MCP server, such as http://127.0.0.1:8080 (required)")
 	fs.StringVar(&o.UpstreamDialIPs, "upstream-dial-ips", "", "IP addresses, comma-separated, where the sidecar connects to the upstream's port first, falling back to --upstream's host when nothing listens there; the webhook sets the pod's IPs, so that the MCP server sees requests to its pod IP, not loopback (empty: --upstream's host only)")
-	fs.StringVar(&o.PolicyFile, "policy-file", "", "an IdempotencyPolicy YAML file; only its spec is used (default: Memory store, Session scope, Auto, 24h TTL)")
+	fs.StringVar(&o.PolicyFile, "policy-file", "", "an IdempotencyPolicy YAML file; only its spec is used (default: Memory store, Session scope, Auto, 24h TTL, 10m retry window)")
 	fs.StringVar(&o.Policy, "policy", "", "an inline IdempotencyPolicy manifest (YAML or JSON), as the webhook injects it; exclusive with --policy-file")
 	fs.DurationVar(&o.RetryWindow, "retry-window", 0, RetryWindowFlag)
 	fs.StringVar(&o.AdminListen, "admin-listen", DefaultAdminListen, "address of /healthz, /readyz and /metrics (empty: off); the webhook sets the pod's admin port")

@@ -63,7 +63,7 @@ type Options struct {
 
 // Flags registers the options on fs.
 func (o *Options) Flags(fs *flag.FlagSet) {
-	fs.StringVar(&o.PolicyFile, "policy-file", "", "an IdempotencyPolicy YAML file; only its spec is used (default: Memory store, Session scope, Auto, 24h TTL)")
+	fs.StringVar(&o.PolicyFile, "policy-file", "", "an IdempotencyPolicy YAML file; only its spec is used (default: Memory store, Session scope, Auto, 24h TTL, 10m retry window)")
 	fs.StringVar(&o.Policy, "policy", "", "an inline IdempotencyPolicy manifest (YAML or JSON); exclusive with --policy-file")
 	fs.DurationVar(&o.RetryWindow, "retry-window", 0, sidecar.RetryWindowFlag)
 	o.Store.Flags(fs)
