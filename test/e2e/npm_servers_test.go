@@ -2,6 +2,7 @@ package e2e_test
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -46,30 +47,42 @@ func npmServer(t *testing.T, pkg string) string {
 type route struct {
 	name    string
 	proxied bool
-	// connect opens a session; env is the server's extra environment.
-	connect func(t *testing.T, env []string, argv ...string) (*mcp.ClientSession, *lockedBuffer)
+	// connect opens a session to the stdio server argv; env is the
+	// server's extra environment. It returns idemcp's log (for direct, the
+	// server's stderr).
+	connect func(t *testing.T, env []string, argv ...string) (*mcp.ClientSession, fmt.Stringer)
 }
 
-// stdioRoutes reach a stdio server directly and through idemcp wrap with
-// flags.
+// stdioRoutes reach a stdio server directly, through idemcp wrap and
+// through idemcp sidecar (over test/interop/ts/http-bridge.mjs, which
+// serves the stdio server over Streamable HTTP), idemcp with flags.
 func stdioRoutes(t *testing.T, flags ...string) []route {
 	node, npm := lookupNode(t)
 	ensureTSDeps(t, npm)
 	bins := buildWrapBins(t)
+	bridge, err := filepath.Abs(filepath.Join(tsDir, "http-bridge.mjs"))
+	if err != nil {
+		t.Fatal(err)
+	}
 	return []route{
-		{"direct", false, func(t *testing.T, env []string, argv ...string) (*mcp.ClientSession, *lockedBuffer) {
+		{"direct", false, func(t *testing.T, env []string, argv ...string) (*mcp.ClientSession, fmt.Stringer) {
 			return stdioSession(t, exec.Command(node, argv...), env)
 		}},
-		{"wrap", true, func(t *testing.T, env []string, argv ...string) (*mcp.ClientSession, *lockedBuffer) {
+		{"wrap", true, func(t *testing.T, env []string, argv ...string) (*mcp.ClientSession, fmt.Stringer) {
 			args := append(append([]string{"wrap", "--log-level", "debug", "--retry-window", npmWindow.String()}, flags...), "--", node)
 			return stdioSession(t, exec.Command(bins.idemcp, append(args, argv...)...), env)
+		}},
+		{"sidecar", true, func(t *testing.T, env []string, argv ...string) (*mcp.ClientSession, fmt.Stringer) {
+			upstream := startNodeHTTP(t, node, env, append([]string{bridge, node}, argv...)...)
+			url, logs := startSidecarBin(t, upstream, flags...)
+			return httpSession(t, url), logs
 		}},
 	}
 }
 
 // stdioSession is a Go SDK client session with cmd as the server process;
 // the buffer collects its stderr.
-func stdioSession(t *testing.T, cmd *exec.Cmd, env []string) (*mcp.ClientSession, *lockedBuffer) {
+func stdioSession(t *testing.T, cmd *exec.Cmd, env []string) (*mcp.ClientSession, fmt.Stringer) {
 	t.Helper()
 	cmd.Env = append(append(os.Environ(), "GORACE="+strings.TrimSpace(os.Getenv("GORACE")+" atexit_sleep_ms=0")), env...)
 	stderr := &lockedBuffer{}
@@ -200,10 +213,12 @@ func (w *window) inside(t *testing.T) {
 	}
 }
 
-// waitOut waits until the window has passed. The result is stored just
-// after the client has it, so the wait has a margin.
-func (w *window) waitOut() {
-	time.Sleep(time.Until(w.settled.Add(npmWindow + 750*time.Millisecond)))
+// waitOut waits until the window has passed, if there is one: the result
+// is stored just after the client has it, so the wait has a margin.
+func (w *window) waitOut(proxied bool) {
+	if proxied {
+		time.Sleep(time.Until(w.settled.Add(npmWindow + 750*time.Millisecond)))
+	}
 }
 
 func readFile(t *testing.T, path string) string {
@@ -226,24 +241,8 @@ func writeFile(t *testing.T, path, content string) {
 // write_file says idempotentHint: true, read_text_file readOnlyHint: true,
 // and move_file neither (a second move of the same file fails).
 func TestNPMFilesystemServer(t *testing.T) {
-	routes := stdioRoutes(t)
 	server := npmServer(t, "server-filesystem")
-	node, _ := lookupNode(t)
-	bridge, err := filepath.Abs(filepath.Join(tsDir, "http-bridge.mjs"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	routes = append(routes, route{"sidecar", true, func(t *testing.T, env []string, argv ...string) (*mcp.ClientSession, *lockedBuffer) {
-		upstream := startNodeHTTP(t, node, env, append([]string{bridge, node}, argv...)...)
-		url, logs := startSidecarBin(t, upstream)
-		t.Cleanup(func() {
-			if t.Failed() {
-				t.Logf("sidecar output:\n%s", logs.String())
-			}
-		})
-		return httpSession(t, url), &lockedBuffer{}
-	}})
-	for _, r := range routes {
+	for _, r := range stdioRoutes(t) {
 		t.Run(r.name, func(t *testing.T) {
 			dir, err := filepath.EvalSymlinks(t.TempDir())
 			if err != nil {
@@ -295,7 +294,7 @@ func TestNPMFilesystemServer(t *testing.T) {
 			}
 
 			// After the window the same move is a deliberate repeat: it runs.
-			w.waitOut()
+			w.waitOut(r.proxied)
 			writeFile(t, a, "A2")
 			if err := os.Remove(b); err != nil {
 				t.Fatal(err)
@@ -363,7 +362,7 @@ func TestNPMMemoryServer(t *testing.T) {
 				t.Errorf("read_graph after the outside change = %q (replayed %v), want bob and no alice, fresh", textOf(res), replayed(res))
 			}
 			// After the window, creating alice again is a deliberate repeat.
-			w.waitOut()
+			w.waitOut(r.proxied)
 			if res := npmCall(t, cs, "create_entities", alice, nil); res.IsError || replayed(res) || !strings.Contains(textOf(res), "alice") {
 				t.Errorf("create_entities after the window: %q (replayed %v), want alice created again", textOf(res), replayed(res))
 			}
@@ -386,10 +385,13 @@ func TestNPMServerWithoutAnnotations(t *testing.T) {
 	get := map[string]any{"key": "k"}
 	policy := writePolicy(t, "spec: {tools: [{name: get, mode: Passthrough}, {name: list, mode: Passthrough}]}")
 
-	ruled := stdioRoutes(t, "--policy-file", policy)[1]
-	ruled.name = "wrap with the logged rule"
-	for _, r := range append(stdioRoutes(t), ruled) {
-		withRule := r.name == ruled.name
+	routes := stdioRoutes(t)
+	for _, r := range stdioRoutes(t, "--policy-file", policy)[1:] {
+		r.name += " with the logged rule"
+		routes = append(routes, r)
+	}
+	for _, r := range routes {
+		withRule := strings.HasSuffix(r.name, "rule")
 		t.Run(r.name, func(t *testing.T) {
 			if _, err := redistest.Do(rdb.Addr, "DEL", "k"); err != nil {
 				t.Fatal(err)
@@ -418,9 +420,10 @@ func TestNPMServerWithoutAnnotations(t *testing.T) {
 				if textOf(res) != "v1" || !replayed(res) {
 					t.Errorf("get under Auto with no annotations = %q (replayed %v), want v1 replayed", textOf(res), replayed(res))
 				}
-				for _, want := range []string{"no annotations", "tools=\"[delete get list set]\"", `{name: \"get\", mode: Passthrough}`} {
+				tools := map[string]string{"wrap": `tools="[delete get list set]"`, "sidecar": `"tools":["delete","get","list","set"]`}[r.name]
+				for _, want := range []string{"no annotations", tools, `{name: \"get\", mode: Passthrough}`} {
 					if !strings.Contains(stderr.String(), want) {
-						t.Errorf("the wrapper's log does not contain %s:\n%s", want, stderr.String())
+						t.Errorf("idemcp's log does not contain %s:\n%s", want, stderr.String())
 					}
 				}
 			}
@@ -435,7 +438,7 @@ func TestNPMServerWithoutAnnotations(t *testing.T) {
 				t.Errorf("after the retry of set, k is %q, want %q", v, want)
 			}
 			// After the window, set v1 again is a deliberate repeat.
-			w.waitOut()
+			w.waitOut(r.proxied)
 			if res := npmCall(t, cs, "set", set("v1"), nil); res.IsError || replayed(res) {
 				t.Errorf("set after the window: %q (replayed %v), want it to run", textOf(res), replayed(res))
 			}
@@ -489,7 +492,7 @@ func TestNPMEverythingServerHTTP(t *testing.T) {
 			if !r.proxied {
 				return
 			}
-			w.waitOut()
+			w.waitOut(r.proxied)
 			if again := npmCall(t, cs, "toggle-simulated-logging", nil, nil); !strings.HasPrefix(textOf(again), "Stopped") || replayed(again) {
 				t.Errorf("toggle after the window: %q (replayed %v), want it to run and stop", textOf(again), replayed(again))
 			}
