@@ -74,8 +74,11 @@ func TestSamplesApplyAndPrintColumns(t *testing.T) {
 		t.Fatalf("kubectl get idpol: %v\n%s", err, out)
 	}
 	header := strings.Fields(strings.SplitN(string(out), "\n", 2)[0])
-	if strings.Join(header, " ") != "NAME STORE TTL SYNCED READY AGE" {
-		t.Errorf("kubectl get idpol columns = %v, want NAME STORE TTL SYNCED READY AGE\n%s", header, out)
+	if strings.Join(header, " ") != "NAME STORE TTL RETRY-WINDOW SYNCED READY AGE" {
+		t.Errorf("kubectl get idpol columns = %v, want NAME STORE TTL RETRY-WINDOW SYNCED READY AGE\n%s", header, out)
+	}
+	if !strings.Contains(string(out), "10m") {
+		t.Errorf("kubectl get idpol shows no retry window (default 10m):\n%s", out)
 	}
 	if !strings.Contains(string(out), "tickets") || !strings.Contains(string(out), "Memory") {
 		t.Errorf("kubectl get idpol:\n%s", out)
@@ -137,6 +140,13 @@ func TestInvalidPoliciesAreRefused(t *testing.T) {
 		{"ignoreArguments pointer", `{"tools":[{"name":"a","ignoreArguments":["requestedAt"]}]}`, []string{"spec.tools[0].ignoreArguments[0]", "should match"}},
 		{"tool ttl", `{"tools":[{"name":"a","ttl":"1000h"}]}`, []string{"spec.tools[0].ttl", "between 1s and 720h"}},
 		{"tool keyScope", `{"tools":[{"name":"a","keyScope":"Team"}]}`, []string{"spec.tools[0].keyScope"}},
+		{"retryWindow too short", `{"retryWindow":"100ms"}`, []string{"spec.retryWindow", "between 1s and 720h"}},
+		{"retryWindow over ttl", `{"ttl":"1h","retryWindow":"2h"}`, []string{"spec.retryWindow must be at most spec.ttl"}},
+		{"default retryWindow over ttl", `{"ttl":"5m"}`, []string{"spec.retryWindow must be at most spec.ttl", "default 10m"}},
+		{"tool retryWindow over its ttl", `{"tools":[{"name":"a","ttl":"1m","retryWindow":"2m"}]}`, []string{"spec.tools[].retryWindow must be at most the tool's ttl"}},
+		{"spec retryWindow over a tool's ttl", `{"tools":[{"name":"a","ttl":"1m"}]}`, []string{"spec.tools[].retryWindow must be at most the tool's ttl"}},
+		{"tool retryWindow over spec ttl", `{"ttl":"1h","retryWindow":"1m","tools":[{"name":"a","retryWindow":"2h"}]}`, []string{"spec.tools[].retryWindow must be at most the tool's ttl"}},
+		{"tool retryWindow too long", `{"tools":[{"name":"a","retryWindow":"1000h"}]}`, []string{"spec.tools[0].retryWindow", "between 1s and 720h"}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -171,7 +181,7 @@ func TestDefaultsAreApplied(t *testing.T) {
 	}
 	got := getPolicy(t, ns, "empty")
 	s := got.Spec
-	if s.TTL == nil || s.TTL.Duration.String() != "24h0m0s" || s.Store.Type != v1alpha1.StoreMemory || s.KeyScope != v1alpha1.ScopeSession ||
+	if s.TTL == nil || s.TTL.Duration.String() != "24h0m0s" || s.RetryWindow == nil || s.RetryWindow.Duration.String() != "10m0s" || s.Store.Type != v1alpha1.StoreMemory || s.KeyScope != v1alpha1.ScopeSession ||
 		s.DefaultMode != v1alpha1.ModeAuto || s.InFlight != v1alpha1.InFlightWait || s.OnStoreUnavailable != v1alpha1.FailClosed ||
 		s.MaxResultBytes == nil || s.MaxResultBytes.String() != "1Mi" || s.Tools[0].Mode != v1alpha1.ModeDeduplicate {
 		t.Errorf("defaults not applied: %+v", s)

@@ -34,6 +34,7 @@ func TestSealKeyRotation(t *testing.T) {
 	ns := newNamespace(t)
 	p := managedPolicy(ns, "payments")
 	p.Spec.TTL = &metav1.Duration{Duration: 2 * time.Second}
+	p.Spec.RetryWindow = &metav1.Duration{Duration: time.Second} // at most the ttl
 	p.Spec.LeaseDuration = &metav1.Duration{Duration: time.Second}
 	if err := k8s.Create(ctx, p); err != nil {
 		t.Fatal(err)

@@ -3,6 +3,9 @@ package sidecar
 import (
 	"errors"
 	"fmt"
+	"time"
+
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/idemcp/idemcp/internal/policy"
 )
@@ -27,4 +30,24 @@ func LoadPolicy(file, inline string) (*policy.Policy, error) {
 		return p, nil
 	}
 	return policy.Default(), nil
+}
+
+// RetryWindowFlag documents --retry-window, which `idemcp sidecar` and
+// `idemcp wrap` share.
+const RetryWindowFlag = "how long an identical call with a derived key (no explicit idempotency key) counts as a retry and is replayed, overriding the policy's spec.retryWindow; at most its ttl (0: the policy's, 10m by default). For use without a manager: a pushed policy brings its own"
+
+// WithRetryWindow returns p with spec.retryWindow set to d (0: p as it
+// is), checked as the policy's own would be.
+func WithRetryWindow(p *policy.Policy, d time.Duration) (*policy.Policy, error) {
+	if d == 0 {
+		return p, nil
+	}
+	spec := *p.Spec.DeepCopy()
+	spec.RetryWindow = &metav1.Duration{Duration: d}
+	q, err := policy.Compile(spec)
+	if err != nil {
+		return nil, fmt.Errorf("--retry-window %s: %w", d, err)
+	}
+	q.Name, q.Namespace = p.Name, p.Namespace
+	return q, nil
 }

@@ -49,3 +49,35 @@ func TestEnvErrorsNameTheVariable(t *testing.T) {
 		})
 	}
 }
+
+// TestRetryWindowFlag: --retry-window (IDEMCP_RETRY_WINDOW) sets the
+// window of a sidecar run without a manager, checked against the ttl.
+func TestRetryWindowFlag(t *testing.T) {
+	t.Setenv("IDEMCP_RETRY_WINDOW", "2s")
+	var o Options
+	if err := NewFlagSet(&o).Parse([]string{"--upstream", "http://127.0.0.1:1", "--admin-listen", ""}); err != nil {
+		t.Fatal(err)
+	}
+	s, err := New(o)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if p := s.Engine().Policy(); p.RetryWindow != 2*time.Second || p.RuleFor("any").RetryWindow != 2*time.Second || p.TTL != 24*time.Hour {
+		t.Errorf("window %v (rule %v), ttl %v; want 2s, 2s, 24h", p.RetryWindow, p.RuleFor("any").RetryWindow, p.TTL)
+	}
+
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"--retry-window", "48h"}, "--retry-window 48h0m0s: spec.retryWindow: 48h0m0s is longer than spec.ttl (24h0m0s)"},
+		{[]string{"--retry-window", "1m", "--policy-endpoint", "https://manager:9443"}, "--retry-window is for a sidecar without a manager"},
+	} {
+		ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+		err := Main(ctx, append([]string{"--upstream", "http://127.0.0.1:1", "--admin-listen", ""}, tc.args...))
+		cancel()
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%v: got %v, want an error containing %q", tc.args, err, tc.want)
+		}
+	}
+}

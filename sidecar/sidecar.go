@@ -45,6 +45,9 @@ type Options struct {
 	// dial.go says why).
 	UpstreamDialIPs string
 	PolicyFile      string
+	// RetryWindow, when not 0, overrides the policy's spec.retryWindow
+	// (--retry-window), for a sidecar run without a manager.
+	RetryWindow time.Duration
 	// Policy is an inline IdempotencyPolicy manifest (YAML or JSON): the
 	// snapshot the webhook writes into an injected sidecar's env.
 	Policy           string
@@ -171,8 +174,9 @@ func (o *Options) Flags(fs *flag.FlagSet) {
 	fs.StringVar(&o.Listen, "listen", ":8081", "address the proxy listens on")
 	fs.StringVar(&o.Upstream, "upstream", "", "URL of the MCP server, such as http://127.0.0.1:8080 (required)")
 	fs.StringVar(&o.UpstreamDialIPs, "upstream-dial-ips", "", "IP addresses, comma-separated, where the sidecar connects to the upstream's port first, falling back to --upstream's host when nothing listens there; the webhook sets the pod's IPs, so that the MCP server sees requests to its pod IP, not loopback (empty: --upstream's host only)")
-	fs.StringVar(&o.PolicyFile, "policy-file", "", "an IdempotencyPolicy YAML file; only its spec is used (default: Memory store, Session scope, Auto, 24h TTL)")
+	fs.StringVar(&o.PolicyFile, "policy-file", "", "an IdempotencyPolicy YAML file; only its spec is used (default: Memory store, Session scope, Auto, 24h TTL, 10m retry window)")
 	fs.StringVar(&o.Policy, "policy", "", "an inline IdempotencyPolicy manifest (YAML or JSON), as the webhook injects it; exclusive with --policy-file")
+	fs.DurationVar(&o.RetryWindow, "retry-window", 0, RetryWindowFlag)
 	fs.StringVar(&o.AdminListen, "admin-listen", DefaultAdminListen, "address of /healthz, /readyz and /metrics (empty: off); the webhook sets the pod's admin port")
 	fs.Int64Var(&o.MaxBodyBytes, "max-body-bytes", httpproxy.DefaultMaxBodyBytes, "largest request body accepted")
 	fs.Int64Var(&o.MaxResponseBytes, "max-response-bytes", httpproxy.DefaultMaxResponseBytes, "largest response message of a deduplicated call that is relayed")
@@ -257,6 +261,12 @@ func New(o Options) (*Sidecar, error) {
 	if err != nil {
 		return nil, err
 	}
+	if o.RetryWindow != 0 && o.Push.Endpoint != "" {
+		return nil, errors.New("--retry-window is for a sidecar without a manager; with --policy-endpoint set spec.retryWindow in the IdempotencyPolicy instead")
+	}
+	if pol, err = WithRetryWindow(pol, o.RetryWindow); err != nil {
+		return nil, err
+	}
 	if o.Store.Upstream == "" {
 		o.Store.Upstream = up.String()
 	}
@@ -292,7 +302,7 @@ func New(o Options) (*Sidecar, error) {
 	lt.MaxIdleConns, lt.MaxIdleConnsPerHost = 2, 2
 	lt.DialContext = dialer.DialContext
 	lh := toollist.NewHTTP(&http.Client{Timeout: 30 * time.Second, Transport: lt}, up)
-	lister := toollist.New(toollist.Options{Hints: eng.Hints(), List: lh.List, Registerer: reg, Logger: log})
+	lister := toollist.New(toollist.Options{Hints: eng.Hints(), List: lh.List, Registerer: reg, Logger: log, Listed: eng.ReportAnnotations})
 	lh.OnChanged(lister.Changed)
 	return &Sidecar{
 		opts:      o,

@@ -72,8 +72,9 @@ const (
 type ToolMode string
 
 const (
-	// ModeAuto passes tools annotated readOnlyHint: true through and
-	// deduplicates every other tool.
+	// ModeAuto follows the server's annotations from tools/list: a tool
+	// annotated readOnlyHint: true or idempotentHint: true passes through,
+	// every other tool is deduplicated.
 	ModeAuto ToolMode = "Auto"
 	// ModeDeduplicate deduplicates every call.
 	ModeDeduplicate ToolMode = "Deduplicate"
@@ -82,12 +83,25 @@ const (
 )
 
 // IdempotencyPolicySpec is what a sidecar enforces.
+// +kubebuilder:validation:XValidation:rule="!has(self.retryWindow) || !has(self.ttl) || duration(self.retryWindow) <= duration(self.ttl)",message="spec.retryWindow must be at most spec.ttl: a derived key cannot be kept longer than an explicit one; shorten retryWindow (default 10m) or lengthen ttl"
+// +kubebuilder:validation:XValidation:rule="!has(self.tools) || !has(self.retryWindow) || !has(self.ttl) || self.tools.all(t, duration(has(t.retryWindow) ? t.retryWindow : self.retryWindow) <= duration(has(t.ttl) ? t.ttl : self.ttl))",message="spec.tools[].retryWindow must be at most the tool's ttl: a rule without retryWindow takes spec.retryWindow, a rule without ttl takes spec.ttl; give a rule with a short ttl a retryWindow of at most that ttl"
 type IdempotencyPolicySpec struct {
-	// TTL is how long a completed result is replayed.
+	// TTL is how long a completed result is replayed for an explicit
+	// idempotency key: the caller's promise that calls with that key are
+	// one operation.
 	// +kubebuilder:default="24h"
 	// +kubebuilder:validation:XValidation:rule="duration(self) >= duration('1s') && duration(self) <= duration('720h')",message="ttl must be between 1s and 720h (30d)"
 	// +optional
 	TTL *metav1.Duration `json:"ttl,omitempty"`
+
+	// RetryWindow is how long an identical call with a derived key (no
+	// explicit idempotency key) counts as a retry and is replayed; after
+	// it the same call runs again. At most ttl. A call still running is
+	// never run twice, whatever the window.
+	// +kubebuilder:default="10m"
+	// +kubebuilder:validation:XValidation:rule="duration(self) >= duration('1s') && duration(self) <= duration('720h')",message="retryWindow must be between 1s and 720h (30d), and at most ttl"
+	// +optional
+	RetryWindow *metav1.Duration `json:"retryWindow,omitempty"`
 
 	// Store is where claims and results are kept.
 	// +kubebuilder:default={type: Memory}
@@ -278,7 +292,8 @@ type ToolRule struct {
 	// +kubebuilder:validation:Pattern=`^[A-Za-z0-9_./*?-]+$`
 	Name string `json:"name"`
 
-	// Mode for matching tools; Auto uses the tool's readOnlyHint.
+	// Mode for matching tools; Auto uses the tool's readOnlyHint and
+	// idempotentHint.
 	// +kubebuilder:default=Deduplicate
 	// +optional
 	Mode ToolMode `json:"mode,omitempty"`
@@ -287,6 +302,12 @@ type ToolRule struct {
 	// +kubebuilder:validation:XValidation:rule="duration(self) >= duration('1s') && duration(self) <= duration('720h')",message="ttl must be between 1s and 720h (30d)"
 	// +optional
 	TTL *metav1.Duration `json:"ttl,omitempty"`
+
+	// RetryWindow overrides spec.retryWindow for matching tools; at most
+	// the tool's ttl.
+	// +kubebuilder:validation:XValidation:rule="duration(self) >= duration('1s') && duration(self) <= duration('720h')",message="retryWindow must be between 1s and 720h (30d), and at most ttl"
+	// +optional
+	RetryWindow *metav1.Duration `json:"retryWindow,omitempty"`
 
 	// KeyScope overrides spec.keyScope for matching tools.
 	// +optional
@@ -375,6 +396,7 @@ type SidecarsStatus struct {
 // +kubebuilder:validation:XValidation:rule="size(self.metadata.name) <= 46",message="metadata.name must be at most 46 characters: it names the StatefulSet NAME-redis, whose pods' revision label must fit in 63"
 // +kubebuilder:printcolumn:name="Store",type=string,JSONPath=`.spec.store.type`
 // +kubebuilder:printcolumn:name="TTL",type=string,JSONPath=`.spec.ttl`
+// +kubebuilder:printcolumn:name="Retry-Window",type=string,JSONPath=`.spec.retryWindow`
 // +kubebuilder:printcolumn:name="Synced",type=string,JSONPath=`.status.sidecars.ratio`
 // +kubebuilder:printcolumn:name="Endpoint",type=string,JSONPath=`.status.store.endpoint`,priority=1
 // +kubebuilder:printcolumn:name="Ready",type=string,JSONPath=`.status.conditions[?(@.type=="Ready")].status`

@@ -102,6 +102,11 @@ func (in *IdempotencyPolicySpec) DeepCopyInto(out *IdempotencyPolicySpec) {
 		*out = new(v1.Duration)
 		**out = **in
 	}
+	if in.RetryWindow != nil {
+		in, out := &in.RetryWindow, &out.RetryWindow
+		*out = new(v1.Duration)
+		**out = **in
+	}
 	in.Store.DeepCopyInto(&out.Store)
 	if in.WaitTimeout != nil {
 		in, out := &in.WaitTimeout, &out.WaitTimeout
@@ -315,6 +320,11 @@ func (in *ToolRule) DeepCopyInto(out *ToolRule) {
 	*out = *in
 	if in.TTL != nil {
 		in, out := &in.TTL, &out.TTL
+		*out = new(v1.Duration)
+		**out = **in
+	}
+	if in.RetryWindow != nil {
+		in, out := &in.RetryWindow, &out.RetryWindow
 		*out = new(v1.Duration)
 		**out = **in
 	}

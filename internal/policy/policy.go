@@ -33,6 +33,7 @@ import (
 // Defaults of an empty spec, as the CRD schema also declares them.
 const (
 	DefaultTTL            = 24 * time.Hour
+	DefaultRetryWindow    = 10 * time.Minute
 	DefaultWaitTimeout    = 30 * time.Second
 	DefaultLeaseDuration  = 30 * time.Second
 	DefaultMaxResultBytes = 1 << 20
@@ -69,6 +70,7 @@ type Policy struct {
 
 	Spec               v1alpha1.IdempotencyPolicySpec // with defaults applied
 	TTL                time.Duration
+	RetryWindow        time.Duration
 	WaitTimeout        time.Duration
 	LeaseDuration      time.Duration
 	MaxResultBytes     int64
@@ -86,12 +88,14 @@ type Policy struct {
 	cache map[string]*Rule
 }
 
-// Rule is what applies to one tool.
+// Rule is what applies to one tool. TTL is how long a result is kept for
+// an explicit key; RetryWindow, for a derived one (at most TTL).
 type Rule struct {
 	// Pattern is the name of the rule that matched, or "" for the defaults.
 	Pattern         string
 	Mode            v1alpha1.ToolMode
 	TTL             time.Duration
+	RetryWindow     time.Duration
 	KeyScope        v1alpha1.KeyScope
 	OnAbandoned     v1alpha1.AbandonedAction
 	CacheToolErrors bool
@@ -137,7 +141,7 @@ func (p *Policy) RuleFor(tool string) *Rule {
 }
 
 // Default is the policy of a sidecar given no policy: Memory store,
-// Session scope, Auto mode, 24h TTL.
+// Session scope, Auto mode, 24h TTL, 10m retry window.
 func Default() *Policy {
 	p, err := Compile(v1alpha1.IdempotencyPolicySpec{})
 	if err != nil {
@@ -375,6 +379,7 @@ func Compile(spec v1alpha1.IdempotencyPolicySpec) (*Policy, error) {
 	p := &Policy{
 		Spec:               spec,
 		TTL:                spec.TTL.Duration,
+		RetryWindow:        spec.RetryWindow.Duration,
 		WaitTimeout:        spec.WaitTimeout.Duration,
 		LeaseDuration:      spec.LeaseDuration.Duration,
 		MaxResultBytes:     spec.MaxResultBytes.Value(),
@@ -386,6 +391,7 @@ func Compile(spec v1alpha1.IdempotencyPolicySpec) (*Policy, error) {
 	p.fallback = &Rule{
 		Mode:        spec.DefaultMode,
 		TTL:         p.TTL,
+		RetryWindow: p.RetryWindow,
 		KeyScope:    spec.KeyScope,
 		OnAbandoned: spec.OnAbandoned,
 	}
@@ -394,12 +400,16 @@ func Compile(spec v1alpha1.IdempotencyPolicySpec) (*Policy, error) {
 			Pattern:         tr.Name,
 			Mode:            tr.Mode,
 			TTL:             p.TTL,
+			RetryWindow:     p.RetryWindow,
 			KeyScope:        spec.KeyScope,
 			OnAbandoned:     spec.OnAbandoned,
 			CacheToolErrors: tr.CacheToolErrors,
 		}
 		if tr.TTL != nil {
 			r.TTL = tr.TTL.Duration
+		}
+		if tr.RetryWindow != nil {
+			r.RetryWindow = tr.RetryWindow.Duration
 		}
 		if tr.KeyScope != "" {
 			r.KeyScope = tr.KeyScope
@@ -446,6 +456,9 @@ func globRegexp(glob string) *regexp.Regexp {
 func applyDefaults(s *v1alpha1.IdempotencyPolicySpec) {
 	if s.TTL == nil {
 		s.TTL = &metav1.Duration{Duration: DefaultTTL}
+	}
+	if s.RetryWindow == nil {
+		s.RetryWindow = &metav1.Duration{Duration: DefaultRetryWindow}
 	}
 	if s.Store.Type == "" {
 		s.Store.Type = v1alpha1.StoreMemory
@@ -508,6 +521,10 @@ func validate(s *v1alpha1.IdempotencyPolicySpec) error {
 		}
 	}
 	ttl("ttl", s.TTL.Duration)
+	ttl("retryWindow", s.RetryWindow.Duration)
+	if s.RetryWindow.Duration > s.TTL.Duration {
+		bad("retryWindow", "%s is longer than spec.ttl (%s): a derived key cannot be kept longer than an explicit one; shorten retryWindow (default 10m) or lengthen ttl", s.RetryWindow.Duration, s.TTL.Duration)
+	}
 	oneOf("store.type", string(s.Store.Type), "Memory", "Redis", "Postgres")
 	if s.Store.Postgres != nil && s.Store.Type != v1alpha1.StorePostgres {
 		bad("store.postgres", "goes only with type Postgres; set type: Postgres or remove store.postgres")
@@ -574,6 +591,12 @@ func validate(s *v1alpha1.IdempotencyPolicySpec) error {
 		if t.TTL != nil {
 			ttl(f+".ttl", t.TTL.Duration)
 		}
+		if t.RetryWindow != nil {
+			ttl(f+".retryWindow", t.RetryWindow.Duration)
+		}
+		if w, d := windowAndTTL(s, t); w.from != "" && w.d > d.d {
+			bad(f+".retryWindow", "%s (%s) is longer than the rule's ttl (%s, %s); give the rule a retryWindow of at most its ttl", w.d, w.from, d.d, d.from)
+		}
 		if t.KeyScope != "" {
 			oneOf(f+".keyScope", string(t.KeyScope), "Session", "Principal", "Global")
 		}
@@ -587,6 +610,27 @@ func validate(s *v1alpha1.IdempotencyPolicySpec) error {
 		}
 	}
 	return errors.Join(errs...)
+}
+
+type sourced struct {
+	d    time.Duration
+	from string
+}
+
+// windowAndTTL are a rule's effective retry window and ttl, and where
+// each comes from. w.from is "" when the spec's own check covers them.
+func windowAndTTL(s *v1alpha1.IdempotencyPolicySpec, t v1alpha1.ToolRule) (w, d sourced) {
+	w, d = sourced{s.RetryWindow.Duration, "from spec.retryWindow"}, sourced{s.TTL.Duration, "from spec.ttl"}
+	if t.RetryWindow != nil {
+		w = sourced{t.RetryWindow.Duration, "its own"}
+	}
+	if t.TTL != nil {
+		d = sourced{t.TTL.Duration, "its own"}
+	}
+	if t.RetryWindow == nil && t.TTL == nil {
+		w.from = ""
+	}
+	return w, d
 }
 
 // LongestTTL is the longest time a result of this policy is kept: its TTL

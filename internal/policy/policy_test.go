@@ -89,6 +89,41 @@ func TestParseRules(t *testing.T) {
 	}
 }
 
+// TestRetryWindow: a derived key's window is spec.retryWindow (10m by
+// default) unless a rule sets its own; the ttl of explicit keys is apart.
+func TestRetryWindow(t *testing.T) {
+	if w := Default().RuleFor("any").RetryWindow; w != 10*time.Minute {
+		t.Errorf("default retry window %v, want 10m", w)
+	}
+	p, err := Parse([]byte(`spec:
+  ttl: 24h
+  retryWindow: 2s
+  tools:
+  - {name: "charge_*", ttl: 72h, retryWindow: 15m}
+  - {name: "short", ttl: 1m}
+  - {name: "get_*", mode: Passthrough}
+`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tt := range []struct {
+		tool        string
+		ttl, window time.Duration
+	}{
+		{"charge_card", 72 * time.Hour, 15 * time.Minute},
+		{"short", time.Minute, 2 * time.Second},
+		{"get_balance", 24 * time.Hour, 2 * time.Second},
+		{"send_email", 24 * time.Hour, 2 * time.Second},
+	} {
+		if r := p.RuleFor(tt.tool); r.TTL != tt.ttl || r.RetryWindow != tt.window {
+			t.Errorf("RuleFor(%q): ttl %v window %v, want %v %v", tt.tool, r.TTL, r.RetryWindow, tt.ttl, tt.window)
+		}
+	}
+	if p.RetryWindow != 2*time.Second {
+		t.Errorf("policy RetryWindow %v, want 2s", p.RetryWindow)
+	}
+}
+
 func TestHashStable(t *testing.T) {
 	a, _ := Parse([]byte(sample))
 	b, _ := Parse([]byte(sample))
@@ -142,6 +177,13 @@ func TestInvalid(t *testing.T) {
 		{"tool dup", "spec: {tools: [{name: a}, {name: a}]}", `spec.tools[1].name: "a" is already the name of tools[0]`},
 		{"pointer", "spec: {tools: [{name: a, ignoreArguments: [requestedAt]}]}", "spec.tools[0].ignoreArguments[0]"},
 		{"tool ttl", "spec: {tools: [{name: a, ttl: 0s}]}", "spec.tools[0].ttl"},
+		{"retryWindow too short", "spec: {retryWindow: 10ms}", "spec.retryWindow: 10ms is outside 1s..720h"},
+		{"retryWindow over ttl", "spec: {ttl: 5m}", "spec.retryWindow: 10m0s is longer than spec.ttl (5m0s)"},
+		{"explicit retryWindow over ttl", "spec: {ttl: 1h, retryWindow: 2h}", "spec.retryWindow: 2h0m0s is longer than spec.ttl (1h0m0s)"},
+		{"tool retryWindow over its ttl", "spec: {tools: [{name: a, ttl: 1m, retryWindow: 2m}]}", "spec.tools[0].retryWindow: 2m0s (its own) is longer than the rule's ttl (1m0s, its own)"},
+		{"tool retryWindow over spec ttl", "spec: {ttl: 1h, retryWindow: 1m, tools: [{name: a, retryWindow: 2h}]}", "spec.tools[0].retryWindow: 2h0m0s (its own) is longer than the rule's ttl (1h0m0s, from spec.ttl)"},
+		{"spec retryWindow over tool ttl", "spec: {tools: [{name: a, ttl: 1m}]}", "spec.tools[0].retryWindow: 10m0s (from spec.retryWindow) is longer than the rule's ttl (1m0s, its own)"},
+		{"tool retryWindow too short", "spec: {tools: [{name: a, retryWindow: 0s}]}", "spec.tools[0].retryWindow: 0s is outside"},
 		{"kind", "kind: Pod\nspec: {}", `kind: "Pod" is not IdempotencyPolicy`},
 	}
 	for _, tt := range tests {

@@ -120,20 +120,15 @@ func (e *Engine) Hints() *ToolHints { return e.hints }
 func (e *Engine) Metrics() *Metrics { return e.metrics }
 
 // Deduplicates reports whether calls to tool are deduplicated under the
-// policy in force, resolving Auto with the server's readOnlyHint.
+// policy in force, resolving Auto with the server's annotations (see
+// classify). A call it passes through is counted by reason here, as it
+// never reaches Plan.
 func (e *Engine) Deduplicates(tool string) bool {
-	return e.deduplicates(e.policy.Load().RuleFor(tool), tool)
-}
-
-func (e *Engine) deduplicates(r *policy.Rule, tool string) bool {
-	switch r.Mode {
-	case v1alpha1.ModeDeduplicate:
-		return true
-	case v1alpha1.ModePassthrough:
-		return false
-	default:
-		return !e.hints.ReadOnly(tool)
+	dedup, reason := e.classify(e.policy.Load().RuleFor(tool), tool)
+	if !dedup {
+		e.countClassified(dedup, reason)
 	}
+	return dedup
 }
 
 // CountPassthrough counts a tools/call forwarded without deduplication
@@ -206,7 +201,9 @@ type Plan struct {
 func (e *Engine) Plan(tc *ToolCall, c Caller) (*Plan, error) {
 	p := e.policy.Load()
 	rule := p.RuleFor(tc.Name)
-	if !e.deduplicates(rule, tc.Name) {
+	dedup, reason := e.classify(rule, tc.Name)
+	e.countClassified(dedup, reason)
+	if !dedup {
 		// A key on a call that is not deduplicated means nothing to us;
 		// the server gets the call exactly as sent.
 		e.CountPassthrough()
@@ -301,7 +298,7 @@ func (e *Engine) Execute(ctx context.Context, p *Plan, fwd Forward) (Outcome, er
 		Fingerprint: p.Fingerprint,
 		Owner:       owner,
 		Lease:       p.Policy.LeaseDuration,
-		Retention:   max(p.Rule.TTL, p.Policy.LeaseDuration),
+		Retention:   max(p.keepFor(), p.Policy.LeaseDuration),
 		TakeOver:    p.Rule.OnAbandoned != v1alpha1.AbandonedError,
 		Tenant:      p.Tenant,
 	}
@@ -518,7 +515,7 @@ func (e *Engine) settle(ctx context.Context, p *Plan, owner string, up Upstream,
 		e.log.Warn("Result over maxResultBytes was forwarded but not stored; retries get an error, not a second run",
 			"tool", p.Tool, "bytes", len(up.Response), "maxResultBytes", p.Policy.MaxResultBytes)
 	}
-	if cerr := e.claims.Complete(ctx, p.Key, owner, stored, p.Rule.TTL, firstTried); cerr != nil {
+	if cerr := e.claims.Complete(ctx, p.Key, owner, stored, p.keepFor(), firstTried); cerr != nil {
 		e.storeWriteFailed("complete", p, cerr)
 	}
 }

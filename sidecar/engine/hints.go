@@ -2,11 +2,131 @@ package engine
 
 import (
 	"encoding/json"
+	"fmt"
+	"slices"
+	"strings"
 	"sync"
 	"time"
 
+	"github.com/idemcp/idemcp/api/v1alpha1"
+	"github.com/idemcp/idemcp/internal/policy"
 	"github.com/idemcp/idemcp/sidecar/mcpmsg"
 )
+
+// Why a tools/call was deduplicated or passed through: the reason label of
+// idemcp_tool_calls_classified_total.
+const (
+	// ByRule: a rule (or defaultMode) says Deduplicate or Passthrough.
+	ByRule = "rule"
+	// ByReadOnlyHint: Auto followed the tool's readOnlyHint (true:
+	// passthrough; false with no idempotentHint: deduplicated).
+	ByReadOnlyHint = "readOnlyHint"
+	// ByIdempotentHint: Auto followed the tool's idempotentHint (true:
+	// passthrough; false: deduplicated).
+	ByIdempotentHint = "idempotentHint"
+	// ByNoAnnotations: the server listed the tool with neither hint, so
+	// Auto deduplicates it.
+	ByNoAnnotations = "noAnnotations"
+	// ByUnknown: no listing named the tool, so Auto deduplicates it.
+	ByUnknown = "unknown"
+)
+
+// hint is what a listing said of one tool.
+type hint struct {
+	readOnly, idempotent       bool
+	hasReadOnly, hasIdempotent bool
+}
+
+// classify resolves a tool's mode: a rule's Deduplicate or Passthrough
+// wins; Auto takes the server's word. readOnlyHint: true and
+// idempotentHint: true pass through (running the tool again is safe, and
+// a fresh answer is what the caller wants); everything else, including a
+// tool the server did not annotate or did not list, is deduplicated.
+func (h *ToolHints) classify(mode v1alpha1.ToolMode, tool string) (dedup bool, reason string) {
+	switch mode {
+	case v1alpha1.ModeDeduplicate:
+		return true, ByRule
+	case v1alpha1.ModePassthrough:
+		return false, ByRule
+	}
+	t, known := h.lookup(tool)
+	switch {
+	case !known:
+		return true, ByUnknown
+	case t.readOnly:
+		return false, ByReadOnlyHint
+	case t.idempotent:
+		return false, ByIdempotentHint
+	case t.hasIdempotent:
+		return true, ByIdempotentHint
+	case t.hasReadOnly:
+		return true, ByReadOnlyHint
+	default:
+		return true, ByNoAnnotations
+	}
+}
+
+// classify is the engine's decision for one call under rule r.
+func (e *Engine) classify(r *policy.Rule, tool string) (dedup bool, reason string) {
+	return e.hints.classify(r.Mode, tool)
+}
+
+// countClassified counts a call in idemcp_tool_calls_classified_total.
+func (e *Engine) countClassified(dedup bool, reason string) {
+	mode := "passthrough"
+	if dedup {
+		mode = "deduplicate"
+	}
+	e.metrics.Classified.WithLabelValues(reason, mode).Inc()
+}
+
+// ReportAnnotations logs, when it changed since the last report, which
+// tools Auto deduplicates only because their server annotates them with
+// neither readOnlyHint nor idempotentHint, and the rule that would pass
+// them through. Reads among them are replayed for retryWindow, so a change
+// made behind the proxy's back is not seen until it ends. The tool
+// listings call it after each full listing.
+func (e *Engine) ReportAnnotations() {
+	p := e.policy.Load()
+	var tools []string
+	for _, name := range e.hints.unannotated() {
+		if p.RuleFor(name).Mode == v1alpha1.ModeAuto {
+			tools = append(tools, name)
+		}
+	}
+	key := strings.Join(tools, "\x00")
+	h := e.hints
+	h.reportMu.Lock()
+	changed := key != h.reported
+	h.reported = key
+	h.reportMu.Unlock()
+	if !changed || len(tools) == 0 {
+		return
+	}
+	e.log.Warn("The MCP server gives these tools no annotations (readOnlyHint, idempotentHint), so Auto deduplicates them all, reads included: "+
+		"an identical read within retryWindow is replayed, and a change made meanwhile is not seen. Pass the tools that only read, or are safe to repeat, through with a rule",
+		"tools", tools, "retryWindow", p.RetryWindow.String(), "rule", passthroughRule(tools))
+}
+
+// passthroughRule is the policy snippet that would pass tools through,
+// for the operator to trim to the tools that only read.
+func passthroughRule(tools []string) string {
+	const most = 20
+	var b strings.Builder
+	b.WriteString("tools: [")
+	for i, t := range tools {
+		if i == most {
+			fmt.Fprintf(&b, ", ... %d more", len(tools)-most)
+			break
+		}
+		if i > 0 {
+			b.WriteString(", ")
+		}
+		fmt.Fprintf(&b, "{name: %q, mode: Passthrough}", t)
+	}
+	b.WriteString("]")
+	return b.String()
+}
 
 // maxHints bounds what is learned from tools/list: a server with more
 // tools than this is unusual, and a hostile one must not grow our memory.
@@ -26,21 +146,26 @@ type Learner interface {
 	Learn(tool string) <-chan struct{}
 }
 
-// ToolHints remembers each tool's readOnlyHint as the server announced it,
-// in tools/list responses that passed through or in the listings of a
-// Learner. A tool not known counts as not read-only, so Auto errs on the
-// side of deduplicating.
+// ToolHints remembers each tool's readOnlyHint and idempotentHint as the
+// server announced them, in tools/list responses that passed through or in
+// the listings of a Learner. A tool not known is deduplicated by Auto, which
+// errs on that side.
 type ToolHints struct {
-	mu       sync.RWMutex
-	readOnly map[string]bool
+	mu    sync.RWMutex
+	tools map[string]hint
 
 	learner Learner
 	wait    time.Duration
 	unknown func(tool string)
+
+	// reported is the last list of unannotated tools ReportAnnotations
+	// logged, joined.
+	reportMu sync.Mutex
+	reported string
 }
 
 // NewToolHints returns an empty set of hints.
-func NewToolHints() *ToolHints { return &ToolHints{readOnly: make(map[string]bool)} }
+func NewToolHints() *ToolHints { return &ToolHints{tools: make(map[string]hint)} }
 
 // SetLearner makes a call to an unknown tool ask l for a listing and wait
 // for it up to wait; onUnknown (if not nil) is told of every call to a tool
@@ -54,12 +179,19 @@ func (h *ToolHints) SetLearner(l Learner, wait time.Duration, onUnknown func(too
 // ReadOnly reports whether the server said the tool is read-only. For a
 // tool it has not heard of, it waits (boundedly) for a listing first.
 func (h *ToolHints) ReadOnly(tool string) bool {
+	t, _ := h.lookup(tool)
+	return t.readOnly
+}
+
+// lookup returns what the server said of the tool. For a tool it has not
+// heard of, it waits (boundedly) for a listing first.
+func (h *ToolHints) lookup(tool string) (hint, bool) {
 	h.mu.RLock()
-	ro, known := h.readOnly[tool]
+	t, known := h.tools[tool]
 	learner, wait, unknown := h.learner, h.wait, h.unknown
 	h.mu.RUnlock()
 	if known {
-		return ro
+		return t, true
 	}
 	if learner != nil {
 		timer := time.NewTimer(wait)
@@ -69,24 +201,38 @@ func (h *ToolHints) ReadOnly(tool string) bool {
 		}
 		timer.Stop()
 		h.mu.RLock()
-		ro, known = h.readOnly[tool]
+		t, known = h.tools[tool]
 		h.mu.RUnlock()
 		if known {
-			return ro
+			return t, true
 		}
 	}
 	if unknown != nil {
 		unknown(tool)
 	}
-	return false
+	return hint{}, false
 }
 
 // Known reports whether a listing named the tool.
 func (h *ToolHints) Known(tool string) bool {
 	h.mu.RLock()
 	defer h.mu.RUnlock()
-	_, ok := h.readOnly[tool]
+	_, ok := h.tools[tool]
 	return ok
+}
+
+// unannotated lists, sorted, the known tools the server gave neither hint.
+func (h *ToolHints) unannotated() []string {
+	h.mu.RLock()
+	defer h.mu.RUnlock()
+	var names []string
+	for name, t := range h.tools {
+		if !t.hasReadOnly && !t.hasIdempotent {
+			names = append(names, name)
+		}
+	}
+	slices.Sort(names)
+	return names
 }
 
 // ObserveListResult learns from the result of a tools/list response, read
@@ -100,10 +246,10 @@ func (h *ToolHints) ObserveListResult(result json.RawMessage) string {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	for _, t := range tools {
-		if _, known := h.readOnly[t.Name]; !known && len(h.readOnly) >= maxHints {
+		if _, known := h.tools[t.Name]; !known && len(h.tools) >= maxHints {
 			continue
 		}
-		h.readOnly[t.Name] = t.ReadOnly
+		h.tools[t.Name] = hint{readOnly: t.ReadOnly, idempotent: t.Idempotent, hasReadOnly: t.HasReadOnly, hasIdempotent: t.HasIdempotent}
 	}
 	return next
 }

@@ -5,6 +5,7 @@ import "github.com/prometheus/client_golang/prometheus"
 // Metrics are the engine's Prometheus series.
 type Metrics struct {
 	Calls       *prometheus.CounterVec
+	Classified  *prometheus.CounterVec
 	NotStored   *prometheus.CounterVec
 	StoreErrors *prometheus.CounterVec
 	TakeOvers   prometheus.Counter
@@ -31,6 +32,10 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name: "idemcp_tool_calls_total",
 			Help: "tools/call requests by outcome: executed, replayed, passthrough, rejected (an idemcp error), failed_open or unscoped (no session or principal to scope a derived key).",
 		}, []string{"outcome"}),
+		Classified: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "idemcp_tool_calls_classified_total",
+			Help: "tools/call requests by how their mode was decided (reason: rule, readOnlyHint, idempotentHint, noAnnotations or unknown) and what it is (mode: deduplicate or passthrough).",
+		}, []string{"reason", "mode"}),
 		NotStored: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "idemcp_results_not_stored_total",
 			Help: "Deduplicated calls whose result was not kept for replay, by reason.",
@@ -53,7 +58,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		}, []string{"limit"}),
 	}
 	if reg != nil {
-		reg.MustRegister(m.Calls, m.NotStored, m.StoreErrors, m.TakeOvers, m.Panics, m.OverLimit)
+		reg.MustRegister(m.Calls, m.Classified, m.NotStored, m.StoreErrors, m.TakeOvers, m.Panics, m.OverLimit)
 	}
 	return m
 }

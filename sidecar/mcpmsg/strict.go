@@ -473,10 +473,15 @@ func IsResponseTo(data []byte, id json.RawMessage) bool {
 	return err == nil && m.Method == "" && SameID(m.ID, id)
 }
 
-// Tool is what the proxy learns of a tool from tools/list.
+// Tool is what the proxy learns of a tool from tools/list: its
+// readOnlyHint and idempotentHint, and whether the server gave each at
+// all (a hint that is not true or false counts as not given).
 type Tool struct {
-	Name     string
-	ReadOnly bool
+	Name          string
+	ReadOnly      bool
+	Idempotent    bool
+	HasReadOnly   bool
+	HasIdempotent bool
 }
 
 // DecodeToolsList reads a tools/list result strictly. A tool entry that is
@@ -530,13 +535,20 @@ func decodeTool(raw json.RawMessage) (Tool, bool) {
 			if string(m.value) == "null" {
 				continue
 			}
-			as, err := objectMembers(m.value, "tool annotations", "readOnlyHint")
+			as, err := objectMembers(m.value, "tool annotations", "readOnlyHint", "idempotentHint")
 			if err != nil {
 				return Tool{}, false
 			}
 			for _, a := range as {
-				if a.name == "readOnlyHint" {
-					t.ReadOnly = string(a.value) == "true"
+				v := string(a.value)
+				if v != "true" && v != "false" {
+					continue
+				}
+				switch a.name {
+				case "readOnlyHint":
+					t.ReadOnly, t.HasReadOnly = v == "true", true
+				case "idempotentHint":
+					t.Idempotent, t.HasIdempotent = v == "true", true
 				}
 			}
 		}

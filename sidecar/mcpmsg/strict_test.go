@@ -247,6 +247,40 @@ func TestDecodeToolsListStrict(t *testing.T) {
 	}
 }
 
+// TestDecodeToolsListHints: both hints the engine reads, and whether the
+// server gave them; a hint that is not a boolean is not given.
+func TestDecodeToolsListHints(t *testing.T) {
+	tools, _, err := DecodeToolsList(json.RawMessage(`{"tools":[
+		{"name":"write","annotations":{"readOnlyHint":false,"idempotentHint":true,"destructiveHint":true}},
+		{"name":"read","annotations":{"readOnlyHint":true}},
+		{"name":"titled","annotations":{"title":"Titled"}},
+		{"name":"odd","annotations":{"idempotentHint":"yes"}},
+		{"name":"folded","annotations":{"IdempotentHint":true}},
+		{"name":"bare"}]}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := map[string]Tool{}
+	for _, tl := range tools {
+		got[tl.Name] = tl
+	}
+	want := map[string]Tool{
+		"write":  {Name: "write", Idempotent: true, HasReadOnly: true, HasIdempotent: true},
+		"read":   {Name: "read", ReadOnly: true, HasReadOnly: true},
+		"titled": {Name: "titled"},
+		"odd":    {Name: "odd"},
+		"bare":   {Name: "bare"},
+	}
+	if len(got) != len(want) {
+		t.Errorf("learned %v, want %v (a case-folded hint makes the entry ambiguous)", got, want)
+	}
+	for name, w := range want {
+		if got[name] != w {
+			t.Errorf("%s: %+v, want %+v", name, got[name], w)
+		}
+	}
+}
+
 func FuzzDecodeEnvelope(f *testing.F) {
 	for _, s := range []string{
 		`{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"charge","arguments":{"a":1},"_meta":{"idempotencyKey":"k"}}}`,

@@ -48,7 +48,9 @@ type Options struct {
 	PolicyFile string
 	// Policy is an inline IdempotencyPolicy manifest (YAML or JSON).
 	Policy string
-	Store  sidecar.StoreOptions
+	// RetryWindow, when not 0, overrides the policy's spec.retryWindow.
+	RetryWindow time.Duration
+	Store       sidecar.StoreOptions
 	// MaxLineBytes bounds one message from the client.
 	MaxLineBytes int
 	// MaxResponseBytes bounds one message from the server.
@@ -61,8 +63,9 @@ type Options struct {
 
 // Flags registers the options on fs.
 func (o *Options) Flags(fs *flag.FlagSet) {
-	fs.StringVar(&o.PolicyFile, "policy-file", "", "an IdempotencyPolicy YAML file; only its spec is used (default: Memory store, Session scope, Auto, 24h TTL)")
+	fs.StringVar(&o.PolicyFile, "policy-file", "", "an IdempotencyPolicy YAML file; only its spec is used (default: Memory store, Session scope, Auto, 24h TTL, 10m retry window)")
 	fs.StringVar(&o.Policy, "policy", "", "an inline IdempotencyPolicy manifest (YAML or JSON); exclusive with --policy-file")
+	fs.DurationVar(&o.RetryWindow, "retry-window", 0, sidecar.RetryWindowFlag)
 	o.Store.Flags(fs)
 	fs.IntVar(&o.MaxLineBytes, "max-line-bytes", DefaultMaxLineBytes, "largest message accepted from the client")
 	fs.IntVar(&o.MaxResponseBytes, "max-response-bytes", DefaultMaxResponseBytes, "largest message relayed from the MCP server")
@@ -201,6 +204,9 @@ func New(o Options, argv []string, stdin io.Reader, stdout, stderr io.Writer) (*
 	if err != nil {
 		return nil, err
 	}
+	if pol, err = sidecar.WithRetryWindow(pol, o.RetryWindow); err != nil {
+		return nil, err
+	}
 	if o.Store.Upstream == "" {
 		// The command names the server: its key space is its own.
 		o.Store.Upstream = "wrap\x00" + strings.Join(argv, "\x00")
@@ -233,7 +239,7 @@ func New(o Options, argv []string, stdin io.Reader, stdout, stderr io.Writer) (*
 
 		ownList: newOwnList(),
 	}
-	w.lister = toollist.New(toollist.Options{Hints: eng.Hints(), List: w.listTools, Logger: log})
+	w.lister = toollist.New(toollist.Options{Hints: eng.Hints(), List: w.listTools, Logger: log, Listed: eng.ReportAnnotations})
 	return w, nil
 }
 

@@ -117,6 +117,15 @@ func NewMemorySized(maxEntries int, maxBytes int64) *Memory {
 	return m
 }
 
+// SetClock makes the store read the time from now instead of time.Now, so
+// that a test can step over a ttl or a retry window without waiting. Call
+// it before the store is used.
+func (m *Memory) SetClock(now func() time.Time) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.now = now
+}
+
 func (m *Memory) janitor(every time.Duration) {
 	t := time.NewTicker(every)
 	defer t.Stop()

@@ -38,6 +38,9 @@ type Options struct {
 	// Registerer gets idemcp_unknown_tool_calls_total (nil: not registered).
 	Registerer prometheus.Registerer
 	Logger     *slog.Logger
+	// Listed, when set, is called after each listing that succeeded: at
+	// start and on each change of the list (engine.ReportAnnotations).
+	Listed func()
 }
 
 // Lister is safe for concurrent use.
@@ -195,6 +198,9 @@ func (l *Lister) run(base context.Context, done chan struct{}) {
 				l.o.Logger.Debug("Listing the MCP server's tools failed again", "err", err)
 			default:
 				l.o.Logger.Debug("Listed the MCP server's tools")
+				if l.o.Listed != nil {
+					l.o.Listed()
+				}
 			}
 			return
 		}

@@ -12,7 +12,8 @@
 //        apart: "Started ..." then "Stopped ...");
 //   3.   toggle-simulated-logging {} with the explicit key
 //        _meta["idempotency-key"] = "sse-toggle-2" (a distinct operation);
-//   4-5. gzip-file-as-resource with the same arguments twice;
+//   4-5. gzip-file-as-resource with the same arguments twice (annotated
+//        idempotentHint: true, so Auto passes both through);
 //   6.   gzip-file-as-resource with another file name;
 //   7-8. echo twice (readOnlyHint: true).
 // and prints ONE JSON line to stdout:
