@@ -142,9 +142,7 @@ func TestInvalidPoliciesAreRefused(t *testing.T) {
 		{"tool keyScope", `{"tools":[{"name":"a","keyScope":"Team"}]}`, []string{"spec.tools[0].keyScope"}},
 		{"retryWindow too short", `{"retryWindow":"100ms"}`, []string{"spec.retryWindow", "between 1s and 720h"}},
 		{"retryWindow over ttl", `{"ttl":"1h","retryWindow":"2h"}`, []string{"spec.retryWindow must be at most spec.ttl"}},
-		{"default retryWindow over ttl", `{"ttl":"5m"}`, []string{"spec.retryWindow must be at most spec.ttl", "default 10m"}},
 		{"tool retryWindow over its ttl", `{"tools":[{"name":"a","ttl":"1m","retryWindow":"2m"}]}`, []string{"spec.tools[].retryWindow must be at most the tool's ttl"}},
-		{"spec retryWindow over a tool's ttl", `{"tools":[{"name":"a","ttl":"1m"}]}`, []string{"spec.tools[].retryWindow must be at most the tool's ttl"}},
 		{"tool retryWindow over spec ttl", `{"ttl":"1h","retryWindow":"1m","tools":[{"name":"a","retryWindow":"2h"}]}`, []string{"spec.tools[].retryWindow must be at most the tool's ttl"}},
 		{"tool retryWindow too long", `{"tools":[{"name":"a","retryWindow":"1000h"}]}`, []string{"spec.tools[0].retryWindow", "between 1s and 720h"}},
 	}
@@ -172,6 +170,28 @@ func TestInvalidPoliciesAreRefused(t *testing.T) {
 	}
 }
 
+// TestShortTTLNeedsNoRetryWindow: a policy with a ttl under the default
+// window of 10m, valid before retryWindow existed, is still accepted, and
+// so is a rule with a short ttl under an explicit spec.retryWindow: a window
+// nobody wrote is capped at the ttl beside it.
+func TestShortTTLNeedsNoRetryWindow(t *testing.T) {
+	ns := newNamespace(t)
+	for i, spec := range []string{
+		`{"ttl":"5m"}`,
+		`{"ttl":"5m","tools":[{"name":"a","ttl":"1m"}]}`,
+		`{"ttl":"1h","retryWindow":"30m","tools":[{"name":"a","ttl":"1m"}]}`,
+	} {
+		p := &v1alpha1.IdempotencyPolicy{}
+		if err := yaml.NewYAMLOrJSONDecoder(strings.NewReader(`{"spec":`+spec+`}`), 1024).Decode(p); err != nil {
+			t.Fatal(err)
+		}
+		p.Name, p.Namespace = fmt.Sprintf("short-%d", i), ns
+		if err := k8s.Create(context.Background(), p); err != nil {
+			t.Errorf("the API server refused %s: %v", spec, err)
+		}
+	}
+}
+
 func TestDefaultsAreApplied(t *testing.T) {
 	ns := newNamespace(t)
 	p := &v1alpha1.IdempotencyPolicy{ObjectMeta: metav1.ObjectMeta{Name: "empty", Namespace: ns}}
@@ -181,7 +201,7 @@ func TestDefaultsAreApplied(t *testing.T) {
 	}
 	got := getPolicy(t, ns, "empty")
 	s := got.Spec
-	if s.TTL == nil || s.TTL.Duration.String() != "24h0m0s" || s.RetryWindow == nil || s.RetryWindow.Duration.String() != "10m0s" || s.Store.Type != v1alpha1.StoreMemory || s.KeyScope != v1alpha1.ScopeSession ||
+	if s.TTL == nil || s.TTL.Duration.String() != "24h0m0s" || s.RetryWindow != nil || s.Store.Type != v1alpha1.StoreMemory || s.KeyScope != v1alpha1.ScopeSession ||
 		s.DefaultMode != v1alpha1.ModeAuto || s.InFlight != v1alpha1.InFlightWait || s.OnStoreUnavailable != v1alpha1.FailClosed ||
 		s.MaxResultBytes == nil || s.MaxResultBytes.String() != "1Mi" || s.Tools[0].Mode != v1alpha1.ModeDeduplicate {
 		t.Errorf("defaults not applied: %+v", s)

@@ -83,8 +83,8 @@ const (
 )
 
 // IdempotencyPolicySpec is what a sidecar enforces.
-// +kubebuilder:validation:XValidation:rule="!has(self.retryWindow) || !has(self.ttl) || duration(self.retryWindow) <= duration(self.ttl)",message="spec.retryWindow must be at most spec.ttl: a derived key cannot be kept longer than an explicit one; shorten retryWindow (default 10m) or lengthen ttl"
-// +kubebuilder:validation:XValidation:rule="!has(self.tools) || !has(self.retryWindow) || !has(self.ttl) || self.tools.all(t, duration(has(t.retryWindow) ? t.retryWindow : self.retryWindow) <= duration(has(t.ttl) ? t.ttl : self.ttl))",message="spec.tools[].retryWindow must be at most the tool's ttl: a rule without retryWindow takes spec.retryWindow, a rule without ttl takes spec.ttl; give a rule with a short ttl a retryWindow of at most that ttl"
+// +kubebuilder:validation:XValidation:rule="!has(self.retryWindow) || !has(self.ttl) || duration(self.retryWindow) <= duration(self.ttl)",message="spec.retryWindow must be at most spec.ttl: a derived key cannot be kept longer than an explicit one; shorten retryWindow or lengthen ttl"
+// +kubebuilder:validation:XValidation:rule="!has(self.tools) || !has(self.ttl) || self.tools.all(t, !has(t.retryWindow) || duration(t.retryWindow) <= duration(has(t.ttl) ? t.ttl : self.ttl))",message="spec.tools[].retryWindow must be at most the tool's ttl (its own, or spec.ttl): shorten the rule's retryWindow or lengthen its ttl"
 type IdempotencyPolicySpec struct {
 	// TTL is how long a completed result is replayed for an explicit
 	// idempotency key: the caller's promise that calls with that key are
@@ -96,9 +96,9 @@ type IdempotencyPolicySpec struct {
 
 	// RetryWindow is how long an identical call with a derived key (no
 	// explicit idempotency key) counts as a retry and is replayed; after
-	// it the same call runs again. At most ttl. A call still running is
-	// never run twice, whatever the window.
-	// +kubebuilder:default="10m"
+	// it the same call runs again. At most ttl. Unset: 10m, or ttl if that
+	// is shorter (so a policy with a short ttl needs no window of its
+	// own). A call still running is never run twice, whatever the window.
 	// +kubebuilder:validation:XValidation:rule="duration(self) >= duration('1s') && duration(self) <= duration('720h')",message="retryWindow must be between 1s and 720h (30d), and at most ttl"
 	// +optional
 	RetryWindow *metav1.Duration `json:"retryWindow,omitempty"`
@@ -304,6 +304,7 @@ type ToolRule struct {
 	TTL *metav1.Duration `json:"ttl,omitempty"`
 
 	// RetryWindow overrides spec.retryWindow for matching tools; at most
+	// the tool's ttl. Unset: spec.retryWindow (or its default), capped at
 	// the tool's ttl.
 	// +kubebuilder:validation:XValidation:rule="duration(self) >= duration('1s') && duration(self) <= duration('720h')",message="retryWindow must be between 1s and 720h (30d), and at most ttl"
 	// +optional

@@ -379,7 +379,7 @@ func Compile(spec v1alpha1.IdempotencyPolicySpec) (*Policy, error) {
 	p := &Policy{
 		Spec:               spec,
 		TTL:                spec.TTL.Duration,
-		RetryWindow:        spec.RetryWindow.Duration,
+		RetryWindow:        retryWindow(spec.RetryWindow, spec.TTL.Duration),
 		WaitTimeout:        spec.WaitTimeout.Duration,
 		LeaseDuration:      spec.LeaseDuration.Duration,
 		MaxResultBytes:     spec.MaxResultBytes.Value(),
@@ -408,6 +408,9 @@ func Compile(spec v1alpha1.IdempotencyPolicySpec) (*Policy, error) {
 		if tr.TTL != nil {
 			r.TTL = tr.TTL.Duration
 		}
+		// An inherited window (spec.retryWindow, or 10m) is capped at the
+		// rule's own ttl.
+		r.RetryWindow = retryWindow(spec.RetryWindow, r.TTL)
 		if tr.RetryWindow != nil {
 			r.RetryWindow = tr.RetryWindow.Duration
 		}
@@ -456,9 +459,6 @@ func globRegexp(glob string) *regexp.Regexp {
 func applyDefaults(s *v1alpha1.IdempotencyPolicySpec) {
 	if s.TTL == nil {
 		s.TTL = &metav1.Duration{Duration: DefaultTTL}
-	}
-	if s.RetryWindow == nil {
-		s.RetryWindow = &metav1.Duration{Duration: DefaultRetryWindow}
 	}
 	if s.Store.Type == "" {
 		s.Store.Type = v1alpha1.StoreMemory
@@ -521,9 +521,11 @@ func validate(s *v1alpha1.IdempotencyPolicySpec) error {
 		}
 	}
 	ttl("ttl", s.TTL.Duration)
-	ttl("retryWindow", s.RetryWindow.Duration)
-	if s.RetryWindow.Duration > s.TTL.Duration {
-		bad("retryWindow", "%s is longer than spec.ttl (%s): a derived key cannot be kept longer than an explicit one; shorten retryWindow (default 10m) or lengthen ttl", s.RetryWindow.Duration, s.TTL.Duration)
+	if s.RetryWindow != nil {
+		ttl("retryWindow", s.RetryWindow.Duration)
+		if s.RetryWindow.Duration > s.TTL.Duration {
+			bad("retryWindow", "%s is longer than spec.ttl (%s): a derived key cannot be kept longer than an explicit one; shorten retryWindow or lengthen ttl", s.RetryWindow.Duration, s.TTL.Duration)
+		}
 	}
 	oneOf("store.type", string(s.Store.Type), "Memory", "Redis", "Postgres")
 	if s.Store.Postgres != nil && s.Store.Type != v1alpha1.StorePostgres {
@@ -594,8 +596,14 @@ func validate(s *v1alpha1.IdempotencyPolicySpec) error {
 		if t.RetryWindow != nil {
 			ttl(f+".retryWindow", t.RetryWindow.Duration)
 		}
-		if w, d := windowAndTTL(s, t); w.from != "" && w.d > d.d {
-			bad(f+".retryWindow", "%s (%s) is longer than the rule's ttl (%s, %s); give the rule a retryWindow of at most its ttl", w.d, w.from, d.d, d.from)
+		if t.RetryWindow != nil {
+			d, from := s.TTL.Duration, "from spec.ttl"
+			if t.TTL != nil {
+				d, from = t.TTL.Duration, "its own"
+			}
+			if t.RetryWindow.Duration > d {
+				bad(f+".retryWindow", "%s is longer than the rule's ttl (%s, %s); give the rule a retryWindow of at most its ttl", t.RetryWindow.Duration, d, from)
+			}
 		}
 		if t.KeyScope != "" {
 			oneOf(f+".keyScope", string(t.KeyScope), "Session", "Principal", "Global")
@@ -612,25 +620,14 @@ func validate(s *v1alpha1.IdempotencyPolicySpec) error {
 	return errors.Join(errs...)
 }
 
-type sourced struct {
-	d    time.Duration
-	from string
-}
-
-// windowAndTTL are a rule's effective retry window and ttl, and where
-// each comes from. w.from is "" when the spec's own check covers them.
-func windowAndTTL(s *v1alpha1.IdempotencyPolicySpec, t v1alpha1.ToolRule) (w, d sourced) {
-	w, d = sourced{s.RetryWindow.Duration, "from spec.retryWindow"}, sourced{s.TTL.Duration, "from spec.ttl"}
-	if t.RetryWindow != nil {
-		w = sourced{t.RetryWindow.Duration, "its own"}
+// retryWindow is spec.retryWindow, or by default DefaultRetryWindow, capped
+// at ttl: a policy or rule with a short ttl needs no window of its own (an
+// explicit spec.retryWindow is at most spec.ttl, validated).
+func retryWindow(w *metav1.Duration, ttl time.Duration) time.Duration {
+	if w != nil {
+		return min(w.Duration, ttl)
 	}
-	if t.TTL != nil {
-		d = sourced{t.TTL.Duration, "its own"}
-	}
-	if t.RetryWindow == nil && t.TTL == nil {
-		w.from = ""
-	}
-	return w, d
+	return min(DefaultRetryWindow, ttl)
 }
 
 // LongestTTL is the longest time a result of this policy is kept: its TTL

@@ -124,6 +124,35 @@ func TestRetryWindow(t *testing.T) {
 	}
 }
 
+// TestDefaultRetryWindowFitsAShortTTL: with no retryWindow written, the
+// window is 10m capped at each ttl, so a policy with a short ttl (valid
+// before retryWindow existed) still compiles; only a window someone wrote
+// that is longer than its ttl is refused.
+func TestDefaultRetryWindowFitsAShortTTL(t *testing.T) {
+	p, err := Parse([]byte(`spec:
+  ttl: 5m
+  tools:
+  - {name: "short", ttl: 1m}
+  - {name: "long", ttl: 72h}
+  - {name: "own", ttl: 2h, retryWindow: 30m}
+`))
+	if err != nil {
+		t.Fatalf("a short ttl with no retryWindow: %v", err)
+	}
+	for tool, want := range map[string]time.Duration{"any": 5 * time.Minute, "short": time.Minute, "long": 10 * time.Minute, "own": 30 * time.Minute} {
+		if w := p.RuleFor(tool).RetryWindow; w != want {
+			t.Errorf("RuleFor(%q).RetryWindow = %v, want %v", tool, w, want)
+		}
+	}
+	p, err = Parse([]byte("spec: {ttl: 1h, retryWindow: 10m, tools: [{name: short, ttl: 1m}]}"))
+	if err != nil {
+		t.Fatalf("an inherited window longer than a rule's ttl: %v", err)
+	}
+	if w := p.RuleFor("short").RetryWindow; w != time.Minute {
+		t.Errorf("inherited window = %v, want the rule's ttl 1m", w)
+	}
+}
+
 func TestHashStable(t *testing.T) {
 	a, _ := Parse([]byte(sample))
 	b, _ := Parse([]byte(sample))
@@ -178,11 +207,9 @@ func TestInvalid(t *testing.T) {
 		{"pointer", "spec: {tools: [{name: a, ignoreArguments: [requestedAt]}]}", "spec.tools[0].ignoreArguments[0]"},
 		{"tool ttl", "spec: {tools: [{name: a, ttl: 0s}]}", "spec.tools[0].ttl"},
 		{"retryWindow too short", "spec: {retryWindow: 10ms}", "spec.retryWindow: 10ms is outside 1s..720h"},
-		{"retryWindow over ttl", "spec: {ttl: 5m}", "spec.retryWindow: 10m0s is longer than spec.ttl (5m0s)"},
 		{"explicit retryWindow over ttl", "spec: {ttl: 1h, retryWindow: 2h}", "spec.retryWindow: 2h0m0s is longer than spec.ttl (1h0m0s)"},
-		{"tool retryWindow over its ttl", "spec: {tools: [{name: a, ttl: 1m, retryWindow: 2m}]}", "spec.tools[0].retryWindow: 2m0s (its own) is longer than the rule's ttl (1m0s, its own)"},
-		{"tool retryWindow over spec ttl", "spec: {ttl: 1h, retryWindow: 1m, tools: [{name: a, retryWindow: 2h}]}", "spec.tools[0].retryWindow: 2h0m0s (its own) is longer than the rule's ttl (1h0m0s, from spec.ttl)"},
-		{"spec retryWindow over tool ttl", "spec: {tools: [{name: a, ttl: 1m}]}", "spec.tools[0].retryWindow: 10m0s (from spec.retryWindow) is longer than the rule's ttl (1m0s, its own)"},
+		{"tool retryWindow over its ttl", "spec: {tools: [{name: a, ttl: 1m, retryWindow: 2m}]}", "spec.tools[0].retryWindow: 2m0s is longer than the rule's ttl (1m0s, its own)"},
+		{"tool retryWindow over spec ttl", "spec: {ttl: 1h, retryWindow: 1m, tools: [{name: a, retryWindow: 2h}]}", "spec.tools[0].retryWindow: 2h0m0s is longer than the rule's ttl (1h0m0s, from spec.ttl)"},
 		{"tool retryWindow too short", "spec: {tools: [{name: a, retryWindow: 0s}]}", "spec.tools[0].retryWindow: 0s is outside"},
 		{"kind", "kind: Pod\nspec: {}", `kind: "Pod" is not IdempotencyPolicy`},
 	}
