@@ -34,9 +34,10 @@ all: build
 ##@ Development
 
 .PHONY: build
-build: ## Build bin/idemcp and bin/idemcp-proxy (the data plane alone: sidecar and wrap).
+build: ## Build bin/idemcp, bin/idemcp-proxy (the data plane alone: sidecar and wrap) and bin/kubectl-idemcp (the kubectl plugin).
 	$(GO) build -ldflags "$(LDFLAGS)" -o $(LOCALBIN)/idemcp .
 	$(GO) build -ldflags "$(LDFLAGS)" -o $(LOCALBIN)/idemcp-proxy ./cmd/idemcp-proxy
+	$(GO) build -ldflags "$(LDFLAGS)" -o $(LOCALBIN)/kubectl-idemcp ./cmd/kubectl-idemcp
 
 .PHONY: fmt
 fmt: ## gofmt every Go file.
