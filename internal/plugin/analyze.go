@@ -534,7 +534,7 @@ func (s *scope) checkWebhookCert(ctx context.Context, r *Report) {
 		case left <= 0:
 			r.add(CodeWebhookCertExpiry, SeverityError, object, "the webhook's %s expired at %s: the API server refuses every opted-in pod; check the manager's logs (it renews its certificates) or cert-manager's Certificate", what, cert.NotAfter.UTC().Format(time.RFC3339))
 		case left < certExpiryWarning:
-			r.add(CodeWebhookCertExpiry, SeverityWarning, object, "the webhook's %s expires in %s (%s) and has not been renewed: once it expires the API server refuses every opted-in pod; check the manager's logs (it renews its certificates) or cert-manager's Certificate", what, left.Round(time.Hour), cert.NotAfter.UTC().Format(time.RFC3339))
+			r.add(CodeWebhookCertExpiry, SeverityWarning, object, "the webhook's %s expires in %s (%s) and has not been renewed: once it expires the API server refuses every opted-in pod; check the manager's logs (it renews its certificates) or cert-manager's Certificate", what, humanDuration(left), cert.NotAfter.UTC().Format(time.RFC3339))
 		}
 	}
 	check("mutatingwebhookconfiguration/"+s.in.WebhookConfig, "CA (caBundle)", s.in.Webhook.ClientConfig.CABundle)
@@ -616,4 +616,12 @@ func desiredHealthy(minAvailable, maxUnavailable *intstr.IntOrString, replicas *
 		}
 	}
 	return 0
+}
+
+// humanDuration is d in days, or in hours under two days.
+func humanDuration(d time.Duration) string {
+	if d >= 48*time.Hour {
+		return fmt.Sprintf("%d days", int(d.Hours()/24+0.5))
+	}
+	return fmt.Sprintf("%d hours", int(d.Hours()+0.5))
 }

@@ -210,7 +210,8 @@ func CheckInject(ctx context.Context, c client.Reader, in *Install, pod *corev1.
 		if blocked {
 			v.Reasons = append(v.Reasons, fmt.Sprintf("once that is fixed, the webhook injects it (policy %s)", p))
 		} else {
-			v.Reasons = append(v.Reasons, fmt.Sprintf("the webhook injects a pod like this one (policy %s, sidecar image %s): it was created without the sidecar (before it opted in, or before the webhook ran); restart its workload (kubectl rollout restart) or delete the pod to get it", p, trial.Annotations[webhook.AnnotationStatus]))
+			st, _ := statusAnnotation(trial)
+			v.Reasons = append(v.Reasons, fmt.Sprintf("the webhook injects a pod like this one (policy %s, sidecar image %s, upstream port %d): this one was created without the sidecar (before it opted in, or while the webhook was not called); restart its workload (kubectl rollout restart) or delete the pod to get it", p, st.Image, st.Upstream))
 		}
 	}
 	if !blocked && !v.WouldInject && len(v.Reasons) == 0 {
