@@ -31,26 +31,40 @@ import (
 type Severity string
 
 const (
-	SeverityError   Severity = "Error"
+	// SeverityError: pods run, or would run, without the exactly-once
+	// guarantee, or are refused.
+	SeverityError Severity = "Error"
+	// SeverityWarning: a risk or a drift worth fixing.
 	SeverityWarning Severity = "Warning"
-	SeverityInfo    Severity = "Info"
 )
 
 // Codes of the analyze findings. They are stable: a code is never reused
 // for another check. docs/plugin.md has one section each.
 const (
-	CodePodNotInjected        = "IDM001"
-	CodePolicyNotFound        = "IDM002"
-	CodeServiceBypass         = "IDM003"
-	CodeSidecarVersion        = "IDM004"
-	CodePolicyNotReady        = "IDM005"
-	CodePolicyNotSynced       = "IDM006"
-	CodeNamespaceNotOptedIn   = "IDM007"
-	CodeMemoryStoreReplicas   = "IDM008"
-	CodeToolsUnannotated      = "IDM009"
-	CodeWebhookCertExpiry     = "IDM010"
-	CodeManagerBelowPDB       = "IDM011"
-	CodeWebhookNotInstalled   = "IDM012"
+	CodePodNotInjected      = "IDM001"
+	CodePolicyNotFound      = "IDM002"
+	CodeServiceBypass       = "IDM003"
+	CodeSidecarVersion      = "IDM004"
+	CodePolicyNotReady      = "IDM005"
+	CodePolicyNotSynced     = "IDM006"
+	CodeNamespaceNotOptedIn = "IDM007"
+	CodeMemoryStoreReplicas = "IDM008"
+	CodeToolsUnannotated    = "IDM009"
+	CodeWebhookCertExpiry   = "IDM010"
+	CodeManagerBelowPDB     = "IDM011"
+	CodeWebhookNotInstalled = "IDM012"
+)
+
+// Codes lists every code, in order.
+var Codes = []string{
+	CodePodNotInjected, CodePolicyNotFound, CodeServiceBypass, CodeSidecarVersion, CodePolicyNotReady, CodePolicyNotSynced,
+	CodeNamespaceNotOptedIn, CodeMemoryStoreReplicas, CodeToolsUnannotated, CodeWebhookCertExpiry, CodeManagerBelowPDB, CodeWebhookNotInstalled,
+}
+
+const (
+	// certExpiryWarning is well inside the 30 days before the end at which
+	// the manager (and cert-manager, by default) renews: a certificate
+	// this close was not renewed.
 	certExpiryWarning         = 14 * 24 * time.Hour
 	maxNamesInMessage         = 5
 	toolsTableMissingNoteText = "IDM009 (tools without annotations) was not checked: this manager publishes no tools table in the policy status (status.tools)"

@@ -87,6 +87,7 @@ your permissions. It only reads.
 		Annotations:       map[string]string{cobra.CommandDisplayNameAnnotation: "kubectl idemcp"},
 		CompletionOptions: cobra.CompletionOptions{HiddenDefaultCmd: true},
 	}
+	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return &ExitError{Code: 2, Err: err} })
 	root.SetOut(out)
 	root.SetErr(errOut)
 	fs := root.PersistentFlags()
@@ -181,7 +182,7 @@ func Main(args []string, out, errOut io.Writer) int {
 		return exit.Code
 	}
 	fmt.Fprintf(errOut, "error: %v\n", err)
-	if strings.Contains(err.Error(), "unknown flag") || strings.Contains(err.Error(), "unknown command") || strings.Contains(err.Error(), "accepts") {
+	if strings.HasPrefix(err.Error(), "unknown command") {
 		return 2
 	}
 	return 1

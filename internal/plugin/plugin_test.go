@@ -328,9 +328,13 @@ func TestAnalyzeCleanInstallReportsNothing(t *testing.T) {
 	p := readyPolicy(t, ns, "payments", memorySpec(), 1)
 	injectedPod(t, mcpPod(ns, "mcp-0", p.Name), p, managerImage)
 	create(t, mcpService(ns, intstr.FromString("mcp")))
-	r, code := analyze(t, "-n", ns)
-	if code != 0 || len(r.Findings) != 0 {
-		t.Fatalf("a clean install: exit %d, findings %+v", code, r.Findings)
+	// It runs first: the other tests' namespaces do not exist yet, so -A
+	// sees the clean install alone.
+	for _, scope := range [][]string{{"-n", ns}, {"-A"}} {
+		r, code := analyze(t, scope...)
+		if code != 0 || len(r.Findings) != 0 {
+			t.Fatalf("a clean install, analyze %s: exit %d, findings %+v", scope, code, r.Findings)
+		}
 	}
 	out, _, code := run(t, "analyze", "-n", ns)
 	if code != 0 || !strings.Contains(out, "No problems found.") {
@@ -609,5 +613,39 @@ func TestCommandLine(t *testing.T) {
 		if code != 0 || !strings.Contains(out, "kubectl idemcp "+sub) || !strings.Contains(out, "--namespace") || !strings.Contains(out, "--context") || !strings.Contains(out, "--output") {
 			t.Errorf("%s --help (exit %d) lacks kubectl's flags:\n%s", sub, code, out)
 		}
+	}
+}
+
+func TestEveryCodeHasItsDocsSection(t *testing.T) {
+	page, err := os.ReadFile(filepath.Join("..", "..", "docs", "plugin.md"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range plugin.Codes {
+		if !strings.Contains(string(page), "\n### "+c+"\n") {
+			t.Errorf("docs/plugin.md has no section ### %s, which its findings link to", c)
+		}
+	}
+}
+
+func TestAnalyzeWebhookNotInstalled(t *testing.T) {
+	ctx := context.Background()
+	var wh admissionv1.MutatingWebhookConfiguration
+	if err := k8s.Get(ctx, client.ObjectKey{Name: webhookName}, &wh); err != nil {
+		t.Fatal(err)
+	}
+	if err := k8s.Delete(ctx, &wh); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		wh.ResourceVersion = ""
+		if err := k8s.Create(ctx, &wh); err != nil {
+			t.Errorf("restoring the webhook configuration: %v", err)
+		}
+	})
+	r, code := analyze(t, "-n", "default")
+	wantOnly(t, r, plugin.CodeWebhookNotInstalled, plugin.SeverityError, "mutatingwebhookconfiguration/-", "inject.idemcp.io", "install idemcp")
+	if code != 1 {
+		t.Errorf("exit %d, want 1", code)
 	}
 }
