@@ -24,7 +24,6 @@ import (
 
 	"github.com/idemcp/idemcp/api/v1alpha1"
 	"github.com/idemcp/idemcp/webhook"
-	"github.com/idemcp/idemcp/webhook/certs"
 )
 
 // Severity of a finding: an error makes analyze exit 1.
@@ -246,7 +245,7 @@ func Analyze(ctx context.Context, e *Env) (*Report, error) {
 	s.checkNamespaces(r)
 	s.checkMemoryReplicas(ctx, r)
 	s.checkTools(ctx, r)
-	s.checkWebhookCert(ctx, r)
+	s.checkWebhookCert(r)
 	s.checkManagerPDB(ctx, r)
 	sort.SliceStable(r.Findings, func(i, j int) bool { return r.Findings[i].Code < r.Findings[j].Code })
 	if r.Findings == nil {
@@ -533,11 +532,14 @@ func normalize(s string) string {
 // IDM010: the webhook's CA or serving certificate ends soon. A webhook
 // whose certificate expired makes the API server refuse every opted-in pod
 // (failurePolicy: Fail).
-func (s *scope) checkWebhookCert(ctx context.Context, r *Report) {
+func (s *scope) checkWebhookCert(r *Report) {
 	if s.in.Webhook == nil {
 		return
 	}
-	now := s.e.Now()
+	now := time.Now()
+	if s.e.Now != nil {
+		now = s.e.Now()
+	}
 	check := func(object, what string, pemData []byte) {
 		cert := latestCert(pemData)
 		if cert == nil {
@@ -551,19 +553,11 @@ func (s *scope) checkWebhookCert(ctx context.Context, r *Report) {
 			r.add(CodeWebhookCertExpiry, SeverityWarning, object, "the webhook's %s expires in %s (%s) and has not been renewed: once it expires the API server refuses every opted-in pod; check the manager's logs (it renews its certificates) or cert-manager's Certificate", what, humanDuration(left), cert.NotAfter.UTC().Format(time.RFC3339))
 		}
 	}
+	// Only the CA: the serving certificate's Secret also holds its private
+	// key, which a read-only check has no business fetching. The manager
+	// renews both on one schedule, so a CA that was not renewed says the
+	// same.
 	check("mutatingwebhookconfiguration/"+s.in.WebhookConfig, "CA (caBundle)", s.in.Webhook.ClientConfig.CABundle)
-	if s.in.Manager == nil {
-		return
-	}
-	var secret corev1.Secret
-	key := client.ObjectKey{Namespace: s.in.Manager.Namespace, Name: certs.DefaultSecretName}
-	if err := s.e.Client.Get(ctx, key, &secret); err != nil {
-		if s.in.Options.WebhookCertManagement == "self" {
-			r.note("could not read the webhook's serving certificate, Secret %s (%v): only its CA was checked for IDM010", key, err)
-		}
-		return
-	}
-	check("secret/"+key.Namespace+"/"+key.Name, "serving certificate", secret.Data["tls.crt"])
 }
 
 // latestCert is the certificate of the bundle that ends last: a bundle in

@@ -182,7 +182,7 @@ func CheckInject(ctx context.Context, c client.Reader, in *Install, pod *corev1.
 	case errors.As(err, &refusal):
 		v.Refused = true
 		v.Reasons = append(v.Reasons, "the webhook refuses a pod like this one, so it is not created (its ReplicaSet retries): "+refusal.Message)
-	case err != nil && apierrors.IsForbidden(errors.Unwrap(err)):
+	case apierrors.IsForbidden(err):
 		v.Reasons = append(v.Reasons, fmt.Sprintf("could not run the webhook's decision with your permissions: %v", err))
 	case err != nil:
 		v.Refused = true
