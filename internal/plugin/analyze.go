@@ -293,7 +293,10 @@ func (s *scope) checkPods(ctx context.Context, r *Report) {
 		if !injected && !optedIn {
 			continue
 		}
-		if name != "" && s.policy(p.Namespace, name) == nil {
+		// A pod the API server never sends to the webhook is IDM001 (its
+		// namespace, its label); one the webhook refused or admitted with
+		// its policy missing, IDM002.
+		if name != "" && s.policy(p.Namespace, name) == nil && (injected || s.reachesWebhook(p)) {
 			what := "asks for idemcp"
 			if injected {
 				what = "carries the idemcp sidecar"
@@ -307,6 +310,17 @@ func (s *scope) checkPods(ctx context.Context, r *Report) {
 		v := CheckInject(ctx, s.e.Client, s.in, p)
 		r.add(CodePodNotInjected, SeverityError, podRef(p), "the pod is labelled %s but runs without the idemcp sidecar: %s (kubectl idemcp check-inject %s -n %s explains)", webhook.LabelInject, strings.Join(v.Reasons, "; "), p.Name, p.Namespace)
 	}
+}
+
+// reachesWebhook reports whether the API server calls the webhook for p,
+// as far as the namespaces read show.
+func (s *scope) reachesWebhook(p *corev1.Pod) bool {
+	wh := s.in.Webhook
+	if wh == nil {
+		return false
+	}
+	ns := s.namespaces[p.Namespace]
+	return (ns == nil || len(namespaceReasons(wh, ns)) == 0) && objectReason(wh, p) == ""
 }
 
 // IDM003: a Service whose port reaches an injected pod's MCP server

@@ -143,8 +143,8 @@ func CheckInject(ctx context.Context, c client.Reader, in *Install, pod *corev1.
 	v := Verdict{Namespace: pod.Namespace, Pod: pod.Name}
 	if webhook.Injected(pod) {
 		v.Injected = true
-		s := pod.Annotations[webhook.AnnotationStatus]
-		v.Reasons = append(v.Reasons, fmt.Sprintf("already injected: the webhook put its sidecar %s in this pod (%s %s); it leaves an injected pod as it is", webhook.ContainerName, webhook.AnnotationStatus, s))
+		s, _ := statusAnnotation(pod)
+		v.Reasons = append(v.Reasons, fmt.Sprintf("already injected: the webhook put its sidecar %s in this pod (policy %s at hash %s, image %s, MCP server on port %d); it leaves an injected pod as it is", webhook.ContainerName, s.Policy, s.PolicyHash, s.Image, s.Upstream))
 		return v
 	}
 	blocked := false
@@ -242,14 +242,18 @@ func namespaceReasons(wh *admissionregistrationv1.MutatingWebhook, ns *corev1.Na
 		return nil
 	}
 	reqs, _ := sel.Requirements()
+	for _, r := range reqs {
+		if !r.Matches(set) && r.Key() == corev1.LabelMetadataName && r.Operator() == selection.NotIn {
+			// No label helps: say only this.
+			return []string{fmt.Sprintf("namespace %s is excluded: the webhook never injects in %s (kube-system and the manager's own namespace), whatever their labels; run the MCP server in another namespace", ns.Name, strings.Join(r.ValuesUnsorted(), ", "))}
+		}
+	}
 	var out []string
 	for _, r := range reqs {
 		if r.Matches(set) {
 			continue
 		}
 		switch {
-		case r.Key() == corev1.LabelMetadataName && r.Operator() == selection.NotIn:
-			out = append(out, fmt.Sprintf("namespace %s is excluded: the webhook never injects in %s (kube-system and the manager's own namespace); run the MCP server in another namespace", ns.Name, strings.Join(r.ValuesUnsorted(), ", ")))
 		case r.Key() == webhook.LabelInjection:
 			out = append(out, fmt.Sprintf("namespace %s is not enabled for injection: it lacks the label %s=enabled; run kubectl label namespace %s %s=enabled", ns.Name, webhook.LabelInjection, ns.Name, webhook.LabelInjection))
 		default:
