@@ -199,7 +199,7 @@ func (s *scope) listOpts(ns string) []client.ListOption {
 // Analyze runs every check in the Env's namespace (or all).
 func Analyze(ctx context.Context, e *Env) (*Report, error) {
 	r := &Report{}
-	s := &scope{e: e, in: findInstall(ctx, e), namespaces: map[string]*corev1.Namespace{}}
+	s := &scope{e: e, in: FindInstall(ctx, e), namespaces: map[string]*corev1.Namespace{}}
 	r.Notes = append(r.Notes, s.in.Notes...)
 	var pods corev1.PodList
 	if err := e.Client.List(ctx, &pods, s.listOpts(e.Namespace)...); err != nil {

@@ -32,8 +32,10 @@ type Verdict struct {
 	Injected bool `json:"injected"`
 	// WouldInject: the webhook would inject a pod like it created now.
 	WouldInject bool `json:"wouldInject"`
-	// Refused: the webhook would refuse to create a pod like it.
-	Refused bool `json:"refused,omitempty"`
+	// Refused: the webhook would refuse to create a pod like it, with
+	// Refusal, the message the API server would show.
+	Refused bool   `json:"refused,omitempty"`
+	Refusal string `json:"refusal,omitempty"`
 	// Reasons, in the order the API server and the webhook decide.
 	Reasons []string `json:"reasons"`
 }
@@ -93,7 +95,7 @@ delete the pod) gets the sidecar.`,
 				}
 				pods = list.Items
 			}
-			in := findInstall(ctx, e)
+			in := FindInstall(ctx, e)
 			for _, n := range in.Notes {
 				fmt.Fprintf(e.ErrOut, "note: %s\n", n)
 			}
@@ -179,13 +181,19 @@ func CheckInject(ctx context.Context, c client.Reader, in *Install, pod *corev1.
 	skipped, err := in.injector(c).Decide(ctx, trial)
 	var refusal *webhook.Refusal
 	switch {
+	case errors.As(err, &refusal) && blocked:
+		// The API server does not call the webhook: the pod is created,
+		// without the sidecar.
+		v.Reasons = append(v.Reasons, "once that is fixed, the webhook refuses a pod like this one: "+refusal.Message)
 	case errors.As(err, &refusal):
-		v.Refused = true
+		v.Refused, v.Refusal = true, refusal.Message
 		v.Reasons = append(v.Reasons, "the webhook refuses a pod like this one, so it is not created (its ReplicaSet retries): "+refusal.Message)
 	case apierrors.IsForbidden(err):
 		v.Reasons = append(v.Reasons, fmt.Sprintf("could not run the webhook's decision with your permissions: %v", err))
+	case err != nil && blocked:
+		v.Reasons = append(v.Reasons, "once that is fixed, the webhook refuses a pod like this one: "+err.Error())
 	case err != nil:
-		v.Refused = true
+		v.Refused, v.Refusal = true, err.Error()
 		v.Reasons = append(v.Reasons, "the webhook refuses a pod like this one, so it is not created: "+err.Error())
 	case skipped == webhook.SkipManagerNamespace:
 		if !blocked {

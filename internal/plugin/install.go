@@ -46,8 +46,8 @@ type Install struct {
 	Notes []string
 }
 
-// findInstall reads the manager's Deployment and the webhook configuration.
-func findInstall(ctx context.Context, e *Env) *Install {
+// FindInstall reads the manager's Deployment and the webhook configuration.
+func FindInstall(ctx context.Context, e *Env) *Install {
 	in := &Install{}
 	var deps appsv1.DeploymentList
 	opts := []client.ListOption{managerLabels}
