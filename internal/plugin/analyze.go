@@ -52,12 +52,13 @@ const (
 	CodeWebhookCertExpiry   = "IDM010"
 	CodeManagerBelowPDB     = "IDM011"
 	CodeWebhookNotInstalled = "IDM012"
+	CodeManagerNotReady     = "IDM013"
 )
 
 // Codes lists every code, in order.
 var Codes = []string{
 	CodePodNotInjected, CodePolicyNotFound, CodeServiceBypass, CodeSidecarVersion, CodePolicyNotReady, CodePolicyNotSynced,
-	CodeNamespaceNotOptedIn, CodeMemoryStoreReplicas, CodeToolsUnannotated, CodeWebhookCertExpiry, CodeManagerBelowPDB, CodeWebhookNotInstalled,
+	CodeNamespaceNotOptedIn, CodeMemoryStoreReplicas, CodeToolsUnannotated, CodeWebhookCertExpiry, CodeManagerBelowPDB, CodeWebhookNotInstalled, CodeManagerNotReady,
 }
 
 const (
@@ -473,14 +474,22 @@ func (s *scope) checkMemoryReplicas(ctx context.Context, r *Report) {
 				pods = append(pods, s.pods[j].Name)
 			}
 		}
-		var deps appsv1.DeploymentList
 		var wide []string
+		several := func(kind, name string, t corev1.PodTemplateSpec, replicas *int32) {
+			if optedIn, _ := webhook.OptedIn(&corev1.Pod{ObjectMeta: t.ObjectMeta}); optedIn && t.Annotations[webhook.AnnotationPolicy] == p.Name && replicas != nil && *replicas > 1 {
+				wide = append(wide, fmt.Sprintf("%s/%s (%d replicas)", kind, name, *replicas))
+			}
+		}
+		var deps appsv1.DeploymentList
 		if err := s.e.Client.List(ctx, &deps, client.InNamespace(p.Namespace)); err == nil {
 			for _, d := range deps.Items {
-				t := d.Spec.Template
-				if t.Labels[webhook.LabelInject] == "true" && t.Annotations[webhook.AnnotationPolicy] == p.Name && d.Spec.Replicas != nil && *d.Spec.Replicas > 1 {
-					wide = append(wide, fmt.Sprintf("deployment/%s (%d replicas)", d.Name, *d.Spec.Replicas))
-				}
+				several("deployment", d.Name, d.Spec.Template, d.Spec.Replicas)
+			}
+		}
+		var sets appsv1.StatefulSetList
+		if err := s.e.Client.List(ctx, &sets, client.InNamespace(p.Namespace)); err == nil {
+			for _, d := range sets.Items {
+				several("statefulset", d.Name, d.Spec.Template, d.Spec.Replicas)
 			}
 		}
 		if len(pods) < 2 && len(wide) == 0 {
@@ -605,6 +614,10 @@ func (s *scope) checkManagerPDB(ctx context.Context, r *Report) {
 		return
 	}
 	if pdb == nil {
+		if d.Status.ReadyReplicas == 0 {
+			r.add(CodeManagerNotReady, SeverityError, "deployment/"+d.Namespace+"/"+d.Name,
+				"the idemcp manager has no ready replica: the API server refuses every opted-in pod (failurePolicy: Fail) and no policy is reconciled; see why its pods are not ready (kubectl -n %s describe pods -l app.kubernetes.io/name=idemcp,app.kubernetes.io/component=manager)", d.Namespace)
+		}
 		return
 	}
 	want := pdb.Status.DesiredHealthy

@@ -434,6 +434,19 @@ func TestAnalyzeFindings(t *testing.T) {
 		if code != 0 {
 			t.Errorf("exit %d for a warning, want 0", code)
 		}
+		// Before any pod runs: a workload of several replicas that opts in.
+		ns = newNamespace(t, "idm008-workload", true)
+		readyPolicy(t, ns, "payments", memorySpec(), 0)
+		tmpl := mcpPod(ns, "", "payments")
+		create(t, &appsv1.StatefulSet{
+			ObjectMeta: metav1.ObjectMeta{Name: "mcp", Namespace: ns},
+			Spec: appsv1.StatefulSetSpec{
+				Replicas: ptr.To[int32](3), Selector: &metav1.LabelSelector{MatchLabels: map[string]string{"app": "mcp"}},
+				Template: corev1.PodTemplateSpec{ObjectMeta: metav1.ObjectMeta{Labels: tmpl.Labels, Annotations: tmpl.Annotations}, Spec: tmpl.Spec},
+			},
+		})
+		r, _ = analyze(t, "-n", ns)
+		wantOnly(t, r, plugin.CodeMemoryStoreReplicas, plugin.SeverityWarning, "idempotencypolicy/idm008-workload/payments", "statefulset/mcp (3 replicas)")
 	})
 	t.Run("IDM009 skipped without a tools table", func(t *testing.T) {
 		r, _ := analyze(t, "-n", "clean")
@@ -613,6 +626,32 @@ func TestCommandLine(t *testing.T) {
 		if code != 0 || !strings.Contains(out, "kubectl idemcp "+sub) || !strings.Contains(out, "--namespace") || !strings.Contains(out, "--context") || !strings.Contains(out, "--output") {
 			t.Errorf("%s --help (exit %d) lacks kubectl's flags:\n%s", sub, code, out)
 		}
+	}
+}
+
+func TestAnalyzeManagerNotReady(t *testing.T) {
+	ctx := context.Background()
+	var pdb policyv1.PodDisruptionBudget
+	if err := k8s.Get(ctx, client.ObjectKey{Namespace: managerNS, Name: "idemcp-manager"}, &pdb); err != nil {
+		t.Fatal(err)
+	}
+	if err := k8s.Delete(ctx, &pdb); err != nil {
+		t.Fatal(err)
+	}
+	if err := setManagerReady(ctx, 0); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		pdb.ResourceVersion = ""
+		if err := k8s.Create(ctx, &pdb); err != nil {
+			t.Errorf("restoring the PodDisruptionBudget: %v", err)
+		}
+		_ = setManagerReady(ctx, 2)
+	})
+	r, code := analyze(t, "-n", "clean")
+	wantOnly(t, r, plugin.CodeManagerNotReady, plugin.SeverityError, "deployment/idemcp-system/idemcp-manager", "no ready replica", "refuses every opted-in pod")
+	if code != 1 {
+		t.Errorf("exit %d, want 1", code)
 	}
 }
 
