@@ -593,7 +593,7 @@ func TestStatus(t *testing.T) {
 			if namespace != ns || pod != "mcp-0" || port != 15481 {
 				return "", fmt.Errorf("probed %s/%s:%d", namespace, pod, port)
 			}
-			return "ok policy=" + p.Status.PolicyHash + " store=reachable\n", nil
+			return "ok policy=" + p.Status.PolicyHash + " store=reachable stream=connected\n", nil
 		}}
 	st, err := plugin.Status(context.Background(), e, "payments")
 	if err != nil {
@@ -603,7 +603,7 @@ func TestStatus(t *testing.T) {
 		t.Fatalf("pods %+v, want mcp-0", st.Pods)
 	}
 	s := st.Pods[0]
-	if s.AppliedHash != p.Status.PolicyHash || !s.Current || s.Store != "reachable" || s.Version != "v0.3.0" || st.Sidecars.Connected != 1 {
+	if s.AppliedHash != p.Status.PolicyHash || !s.Current || s.Store != "reachable" || s.Stream != "connected" || s.Version != "v0.3.0" || st.Sidecars.Connected != 1 {
 		t.Errorf("status %+v of %+v", s, st)
 	}
 

@@ -39,28 +39,31 @@ type SidecarStatus struct {
 	Version string `json:"version"`
 	// InjectedHash is the policy the webhook gave it at creation.
 	InjectedHash string `json:"injectedHash"`
-	// AppliedHash and Store are what its /readyz says ("" when it could
-	// not be read: ProbeError says why).
+	// AppliedHash, Store and Stream are what its /readyz says (unknown
+	// when it could not be read: ProbeError says why). Stream is
+	// connected, disconnected or off (no policy stream configured); a
+	// sidecar older than that field leaves it unknown.
 	AppliedHash string `json:"appliedHash,omitempty"`
 	Current     bool   `json:"current"`
 	Store       string `json:"store"`
+	Stream      string `json:"stream"`
 	ProbeError  string `json:"probeError,omitempty"`
 }
 
 func newStatusCommand(g *globalFlags, newEnv envFunc) *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "status POLICY [-n NAMESPACE] [-o json|yaml|wide]",
-		Short: "Show each sidecar of a policy: ready, the policy hash it applied, its store, its version",
+		Short: "Show each sidecar of a policy: ready, connected, the policy hash it applied, its store, its version",
 		Long: `status shows an IdempotencyPolicy's sidecars, one line per injected pod:
-whether the sidecar is ready, the policy hash it enforces and whether it is
-the current one, whether its store answers, and its version (image tag).
+whether the sidecar is ready, whether it holds the manager's policy stream,
+the policy hash it enforces and whether it is the current one, whether its
+store answers, and its version (image tag).
 
-The policy hash and the store come from the sidecar's /readyz on its admin
-port, read through the API server (pods/proxy, which kubectl port-forward
-and the edit role allow); without that permission they show as unknown and
-the hash the webhook gave the pod at creation is shown instead. How many
-sidecars hold a policy stream is the manager's count in the policy status:
-it does not publish which.`,
+The stream, the policy hash and the store come from the sidecar's /readyz
+on its admin port, read through the API server (pods/proxy, which the edit
+and admin roles allow); without that permission they show as unknown, and
+the hash the webhook gave the pod at creation is shown instead. The header
+has the manager's own counts from the policy status.`,
 		Example: `  kubectl idemcp status payments -n shop
   kubectl idemcp status payments -n shop -o json`,
 		Args: func(_ *cobra.Command, args []string) error {
@@ -115,7 +118,7 @@ func Status(ctx context.Context, e *Env, name string) (*PolicyStatus, error) {
 		if !injected || pod.DeletionTimestamp != nil || pod.Status.Phase == corev1.PodSucceeded || pod.Status.Phase == corev1.PodFailed {
 			continue
 		}
-		s := SidecarStatus{Pod: pod.Name, Node: pod.Spec.NodeName, InjectedHash: sa.PolicyHash, Store: "unknown"}
+		s := SidecarStatus{Pod: pod.Name, Node: pod.Spec.NodeName, InjectedHash: sa.PolicyHash, Store: "unknown", Stream: "unknown"}
 		if c := sidecarContainer(pod); c != nil {
 			s.Image, s.Version = c.Image, imageTag(c.Image)
 		}
@@ -127,7 +130,7 @@ func Status(ctx context.Context, e *Env, name string) (*PolicyStatus, error) {
 			if err != nil {
 				s.ProbeError = err.Error()
 			} else {
-				s.AppliedHash, s.Store = parseReadyz(body)
+				s.AppliedHash, s.Store, s.Stream = parseReadyz(body)
 			}
 		}
 		hash := s.AppliedHash
@@ -141,9 +144,10 @@ func Status(ctx context.Context, e *Env, name string) (*PolicyStatus, error) {
 	return st, nil
 }
 
-// parseReadyz reads the sidecar's "ok policy=HASH store=STATE".
-func parseReadyz(body string) (hash, store string) {
-	store = "unknown"
+// parseReadyz reads the sidecar's "ok policy=HASH store=STATE
+// stream=STATE".
+func parseReadyz(body string) (hash, store, stream string) {
+	store, stream = "unknown", "unknown"
 	for _, f := range strings.Fields(body) {
 		if v, ok := strings.CutPrefix(f, "policy="); ok {
 			hash = v
@@ -151,8 +155,11 @@ func parseReadyz(body string) (hash, store string) {
 		if v, ok := strings.CutPrefix(f, "store="); ok {
 			store = v
 		}
+		if v, ok := strings.CutPrefix(f, "stream="); ok {
+			stream = v
+		}
 	}
-	return hash, store
+	return hash, store, stream
 }
 
 func printStatus(w io.Writer, st *PolicyStatus, wide bool) {
@@ -164,9 +171,9 @@ func printStatus(w io.Writer, st *PolicyStatus, wide bool) {
 	}
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
 	if wide {
-		fmt.Fprintln(tw, "POD\tREADY\tPOLICY-HASH\tCURRENT\tSTORE\tVERSION\tINJECTED-HASH\tNODE\tIMAGE")
+		fmt.Fprintln(tw, "POD\tREADY\tSTREAM\tPOLICY-HASH\tCURRENT\tSTORE\tVERSION\tINJECTED-HASH\tNODE\tIMAGE")
 	} else {
-		fmt.Fprintln(tw, "POD\tREADY\tPOLICY-HASH\tCURRENT\tSTORE\tVERSION")
+		fmt.Fprintln(tw, "POD\tREADY\tSTREAM\tPOLICY-HASH\tCURRENT\tSTORE\tVERSION")
 	}
 	probeFailed := false
 	for _, s := range st.Pods {
@@ -175,7 +182,7 @@ func printStatus(w io.Writer, st *PolicyStatus, wide bool) {
 			hash = s.InjectedHash + " (at start)"
 			probeFailed = true
 		}
-		line := fmt.Sprintf("%s\t%t\t%s\t%t\t%s\t%s", s.Pod, s.Ready, hash, s.Current, s.Store, orDash(s.Version))
+		line := fmt.Sprintf("%s\t%t\t%s\t%s\t%t\t%s\t%s", s.Pod, s.Ready, s.Stream, hash, s.Current, s.Store, orDash(s.Version))
 		if wide {
 			line += fmt.Sprintf("\t%s\t%s\t%s", orDash(s.InjectedHash), orDash(s.Node), orDash(s.Image))
 		}
@@ -183,7 +190,7 @@ func printStatus(w io.Writer, st *PolicyStatus, wide bool) {
 	}
 	_ = tw.Flush()
 	if probeFailed {
-		fmt.Fprintln(w, "\nA sidecar's /readyz could not be read (-o json shows why): its hash is the one it started with, its store unknown.")
+		fmt.Fprintln(w, "\nA sidecar's /readyz could not be read (-o json shows why): its hash is the one it started with, its stream and store unknown.")
 	}
 }
 
