@@ -179,10 +179,14 @@ func (in *Install) pdb(ctx context.Context, c client.Reader) (*policyv1.PodDisru
 // server (pods/proxy), which says the policy hash it enforces and whether
 // its store answers.
 func (e *Env) proxyReadyz(ctx context.Context, namespace, pod string, port int32) (string, error) {
-	cs, err := kubernetes.NewForConfig(e.Config)
-	if err != nil {
-		return "", err
+	if e.clientset == nil {
+		cs, err := kubernetes.NewForConfig(e.Config)
+		if err != nil {
+			return "", err
+		}
+		e.clientset = cs
 	}
+	cs := e.clientset
 	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
 	body, err := cs.CoreV1().Pods(namespace).ProxyGet("http", pod, strconv.Itoa(int(port)), "/readyz", nil).DoRaw(ctx)

@@ -17,6 +17,7 @@ import (
 
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
+	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 	"sigs.k8s.io/controller-runtime/pkg/client"
@@ -60,6 +61,8 @@ type Env struct {
 	// Probe reads a sidecar's /readyz through the API server's pod proxy;
 	// tests replace it (envtest has no kubelet).
 	Probe func(ctx context.Context, namespace, pod string, port int32) (string, error)
+
+	clientset kubernetes.Interface
 }
 
 type globalFlags struct {
