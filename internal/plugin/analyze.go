@@ -444,6 +444,10 @@ func (s *scope) checkNamespaces(r *Report) {
 		if ns.Labels[webhook.LabelInjection] != "enabled" || n == s.in.Options.Namespace {
 			continue
 		}
+		if s.in.Webhook != nil && len(namespaceReasons(s.in.Webhook, ns)) > 0 {
+			// Excluded whatever its labels (kube-system): nothing to opt in.
+			continue
+		}
 		var out []string
 		for i := range s.pods {
 			p := &s.pods[i]
