@@ -34,9 +34,10 @@ all: build
 ##@ Development
 
 .PHONY: build
-build: ## Build bin/idemcp and bin/idemcp-proxy (the data plane alone: sidecar and wrap).
+build: ## Build bin/idemcp, bin/idemcp-proxy (the data plane alone: sidecar and wrap) and bin/kubectl-idemcp (the kubectl plugin).
 	$(GO) build -ldflags "$(LDFLAGS)" -o $(LOCALBIN)/idemcp .
 	$(GO) build -ldflags "$(LDFLAGS)" -o $(LOCALBIN)/idemcp-proxy ./cmd/idemcp-proxy
+	$(GO) build -ldflags "$(LDFLAGS)" -o $(LOCALBIN)/kubectl-idemcp ./cmd/kubectl-idemcp
 
 .PHONY: fmt
 fmt: ## gofmt every Go file.
@@ -141,6 +142,23 @@ test-e2e: ## Real-node e2e: cluster up, idemcp installed from dist/install.yaml,
 build-linux: ## Build the static linux/amd64 binaries the image holds (bin/linux-amd64/idemcp and idemcp-proxy), as the Dockerfile does.
 	CGO_ENABLED=0 GOOS=linux GOARCH=amd64 $(GO) build -trimpath -ldflags "-s -w $(LDFLAGS)" -o $(LOCALBIN)/linux-amd64/idemcp .
 	CGO_ENABLED=0 GOOS=linux GOARCH=amd64 $(GO) build -trimpath -ldflags "-s -w $(LDFLAGS)" -o $(LOCALBIN)/linux-amd64/idemcp-proxy ./cmd/idemcp-proxy
+
+PLUGIN_PLATFORMS ?= linux/amd64 linux/arm64 darwin/amd64 darwin/arm64
+PLUGIN_VERSION ?= v$(CHART_VERSION)
+
+.PHONY: plugin-dist
+plugin-dist: ## Write the kubectl plugin's static release tarballs dist/plugin/kubectl-idemcp_OS_ARCH.tar.gz and their krew manifest dist/plugin/idemcp.yaml (from config/krew).
+	@rm -rf dist/plugin && mkdir -p dist/plugin
+	@manifest=$$(sed -e '/^#/d' -e 's/PLUGIN_VERSION/$(PLUGIN_VERSION)/g' config/krew/idemcp.yaml); \
+	for p in $(PLUGIN_PLATFORMS); do os=$${p%/*}; arch=$${p#*/}; dir=$$(mktemp -d); \
+	  echo "building kubectl-idemcp for $$os/$$arch"; \
+	  CGO_ENABLED=0 GOOS=$$os GOARCH=$$arch $(GO) build -trimpath -ldflags "-s -w $(LDFLAGS)" -o $$dir/kubectl-idemcp ./cmd/kubectl-idemcp; \
+	  cp LICENSE $$dir/; tar -C $$dir -czf dist/plugin/kubectl-idemcp_$${os}_$${arch}.tar.gz kubectl-idemcp LICENSE; rm -rf $$dir; \
+	  sum=$$(sha256sum dist/plugin/kubectl-idemcp_$${os}_$${arch}.tar.gz | cut -d' ' -f1); \
+	  manifest=$$(printf '%s\n' "$$manifest" | sed "s/SHA256_$${os}_$${arch}/$$sum/"); \
+	done; \
+	printf '%s\n' "$$manifest" > dist/plugin/idemcp.yaml
+	@echo "wrote dist/plugin; install from it with: kubectl krew install --manifest=dist/plugin/idemcp.yaml --archive=dist/plugin/kubectl-idemcp_linux_amd64.tar.gz"
 
 .PHONY: image
 image: build-linux ## Write the image IMG as a tarball, dist/idemcp-image.tar, with no Docker engine.

@@ -56,6 +56,7 @@ func (s *Sidecar) startPush(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	s.push.Store(c)
 	go func() { _ = c.Run(ctx) }()
 	return nil
 }

@@ -29,6 +29,7 @@ import (
 	"github.com/idemcp/idemcp/internal/policy"
 	"github.com/idemcp/idemcp/sidecar/engine"
 	"github.com/idemcp/idemcp/sidecar/httpproxy"
+	"github.com/idemcp/idemcp/sidecar/policysync"
 	"github.com/idemcp/idemcp/sidecar/store"
 	redisstore "github.com/idemcp/idemcp/sidecar/store/redis"
 	"github.com/idemcp/idemcp/sidecar/toollist"
@@ -237,6 +238,8 @@ type Sidecar struct {
 	registry  *prometheus.Registry
 	conns     *connMetrics
 	storeDown atomic.Bool
+	// push is the policy stream's client, nil without --policy-endpoint.
+	push atomic.Pointer[policysync.Client]
 }
 
 // New checks the options, loads the policy and builds the store.
@@ -484,7 +487,16 @@ func (s *Sidecar) AdminHandler() http.Handler {
 		} else if s.storeDown.Swap(false) {
 			s.log.Info("Store reachable again", s.storeInfo.LogAttrs()...)
 		}
-		_, _ = fmt.Fprintf(w, "ok policy=%s store=%s\n", s.engine.Policy().Hash, state)
+		// stream: whether the policy stream is open now (kubectl idemcp
+		// status shows it per pod; the manager publishes only counts).
+		stream := "off"
+		if c := s.push.Load(); c != nil {
+			stream = "disconnected"
+			if c.Connected() {
+				stream = "connected"
+			}
+		}
+		_, _ = fmt.Fprintf(w, "ok policy=%s store=%s stream=%s\n", s.engine.Policy().Hash, state, stream)
 	})
 	mux.Handle("/metrics", promhttp.HandlerFor(s.registry, promhttp.HandlerOpts{}))
 	return mux

@@ -99,10 +99,11 @@ func (c call) event(regarding runtime.Object, eventtype, reason, note string, ar
 	}
 }
 
-func (c call) skip(reason string) {
+func (c call) skip(reason string) string {
 	if !c.dryRun {
 		skips.WithLabelValues(reason).Inc()
 	}
+	return reason
 }
 
 func (c call) deny(err error) error {
@@ -119,6 +120,15 @@ func (c call) deny(err error) error {
 
 // Default injects the sidecar into pod if it opted in.
 func (i *Injector) Default(ctx context.Context, pod *corev1.Pod) error {
+	_, err := i.Decide(ctx, pod)
+	return err
+}
+
+// Decide is Default that also says why it left a pod as it was: skipped is
+// one of the Skip* reasons, or "" when it injected pod or refused it (err).
+// kubectl-idemcp check-inject calls it on a copy, with a dry-run request in
+// ctx, so that it explains exactly what the webhook decides.
+func (i *Injector) Decide(ctx context.Context, pod *corev1.Pod) (skipped string, err error) {
 	ns := pod.Namespace
 	c := call{recorder: i.Recorder}
 	if req, err := admission.RequestFromContext(ctx); err == nil {
@@ -133,19 +143,16 @@ func (i *Injector) Default(ctx context.Context, pod *corev1.Pod) error {
 	}
 	logger := log.FromContext(ctx).WithValues("pod", ns+"/"+name)
 	if ns == i.ManagerNamespace {
-		c.skip(SkipManagerNamespace)
-		return nil
+		return c.skip(SkipManagerNamespace), nil
 	}
 	optedIn, err := OptedIn(pod)
 	switch {
 	case err != nil:
-		return c.deny(err)
+		return "", c.deny(err)
 	case !optedIn:
-		c.skip(SkipNotOptedIn)
-		return nil
+		return c.skip(SkipNotOptedIn), nil
 	case Injected(pod):
-		c.skip(SkipAlreadyInjected)
-		return nil
+		return c.skip(SkipAlreadyInjected), nil
 	}
 	policyName := pod.Annotations[AnnotationPolicy]
 	var p v1alpha1.IdempotencyPolicy
@@ -159,27 +166,25 @@ func (i *Injector) Default(ctx context.Context, pod *corev1.Pod) error {
 		}
 	}
 	if pod.Spec.HostNetwork {
-		c.skip(SkipHostNetwork)
 		logger.Info("Not injecting a hostNetwork pod: the sidecar's ports would be the node's")
 		if err == nil {
 			c.event(&p, corev1.EventTypeWarning, "HostNetworkSkipped", "Pod %s uses hostNetwork and was admitted without the idemcp sidecar", name)
 		}
-		return nil
+		return c.skip(SkipHostNetwork), nil
 	}
 	if err != nil {
 		if policyName != "" && !apierrors.IsNotFound(err) {
-			return fmt.Errorf("reading IdempotencyPolicy %s/%s: %w", ns, policyName, err)
+			return "", fmt.Errorf("reading IdempotencyPolicy %s/%s: %w", ns, policyName, err)
 		}
 		msg := fmt.Sprintf("IdempotencyPolicy %s/%s not found: create it, or set the pod's %s annotation to an existing policy, or remove the label %s", ns, policyName, AnnotationPolicy, LabelInject)
 		if policyName == "" {
 			msg = fmt.Sprintf("the pod asks for idemcp (label %s: \"true\") but names no policy: add the annotation %s: <name of an IdempotencyPolicy in %s>", LabelInject, AnnotationPolicy, ns)
 		}
 		if i.MissingPolicy == MissingPolicyAdmit {
-			c.skip(SkipPolicyMissing)
 			logger.Info("Admitting without the sidecar", "reason", msg)
-			return nil
+			return c.skip(SkipPolicyMissing), nil
 		}
-		return c.deny(refuse(DenyPolicyMissing, "%s", msg))
+		return "", c.deny(refuse(DenyPolicyMissing, "%s", msg))
 	}
 	if p.DeletionTimestamp != nil {
 		// A new pod would hold the policy's finalizer, and its store, for
@@ -187,22 +192,21 @@ func (i *Injector) Default(ctx context.Context, pod *corev1.Pod) error {
 		msg := fmt.Sprintf("IdempotencyPolicy %s/%s is being deleted (since %s): it waits for the pods that use it to go, so it takes no new ones; remove the %s annotation, or name another policy, or recreate the policy once its deletion is done",
 			ns, policyName, p.DeletionTimestamp.UTC().Format(time.RFC3339), AnnotationPolicy)
 		if i.MissingPolicy == MissingPolicyAdmit {
-			c.skip(SkipPolicyMissing)
 			logger.Info("Admitting without the sidecar", "reason", msg)
-			return nil
+			return c.skip(SkipPolicyMissing), nil
 		}
-		return c.deny(refuse(DenyPolicyDeleting, "%s", msg))
+		return "", c.deny(refuse(DenyPolicyDeleting, "%s", msg))
 	}
 	compiled, err := policy.Compile(p.Spec)
 	if err != nil {
-		return c.deny(refuse(DenyInvalidPolicy, "IdempotencyPolicy %s/%s is invalid: %v", ns, policyName, err))
+		return "", c.deny(refuse(DenyInvalidPolicy, "IdempotencyPolicy %s/%s is invalid: %v", ns, policyName, err))
 	}
 	cfg := i.Config
 	if i.PolicyCA != nil && cfg.PolicyEndpoint != "" {
 		// The bundle of today: the CAs the policy stream may serve from.
 		ca, caErr := i.PolicyCA(ctx)
 		if caErr != nil {
-			return fmt.Errorf("idemcp cannot inject pod %s: reading the policy stream's CA: %w", name, caErr)
+			return "", fmt.Errorf("idemcp cannot inject pod %s: reading the policy stream's CA: %w", name, caErr)
 		}
 		cfg.PolicyCABundle = string(ca)
 	}
@@ -210,13 +214,13 @@ func (i *Injector) Default(ctx context.Context, pod *corev1.Pod) error {
 	if err == nil {
 		var ranges corev1.LimitRangeList
 		if err = i.Client.List(ctx, &ranges, client.InNamespace(ns)); err != nil {
-			return fmt.Errorf("reading the LimitRanges of %s: %w", ns, err)
+			return "", fmt.Errorf("reading the LimitRanges of %s: %w", ns, err)
 		}
 		err = applyLimitRanges(pod, ranges.Items)
 	}
 	if err != nil {
 		c.event(&p, corev1.EventTypeWarning, "InjectionRefused", "Pod %s: %v", name, err)
-		return c.deny(fmt.Errorf("idemcp cannot inject pod %s: %w", name, err))
+		return "", c.deny(fmt.Errorf("idemcp cannot inject pod %s: %w", name, err))
 	}
 	if !c.dryRun {
 		injections.Inc()
@@ -232,7 +236,7 @@ func (i *Injector) Default(ctx context.Context, pod *corev1.Pod) error {
 		}
 	}
 	logger.V(1).Info("Injected the sidecar", "policy", policyName, "policyHash", compiled.Hash)
-	return nil
+	return "", nil
 }
 
 // eventTarget is what an Event about a pod under admission regards: the pod
