@@ -81,6 +81,7 @@ type IdempotencyPolicyReconciler struct {
 // +kubebuilder:rbac:groups=policy,resources=poddisruptionbudgets,verbs=get;list;watch;create;update;patch;delete
 // +kubebuilder:rbac:groups=networking.k8s.io,resources=networkpolicies,verbs=get;list;watch;create;update;patch;delete
 // +kubebuilder:rbac:groups="",resources=pods,verbs=get;list;watch
+// +kubebuilder:rbac:groups="",resources=namespaces,verbs=get
 // +kubebuilder:rbac:groups=events.k8s.io,resources=events,verbs=create;patch
 
 // Reconcile brings one policy's children and status in line with its spec.
@@ -165,11 +166,18 @@ func (r *IdempotencyPolicyReconciler) finalize(ctx context.Context, p *v1alpha1.
 		if c := meta.FindStatusCondition(p.Status.Conditions, v1alpha1.ConditionStoreReady); c != nil {
 			st.Conditions = append(st.Conditions, *c)
 		}
-		st.deleting = fmt.Sprintf("the policy is being deleted, and waits until no pod uses it: %s still do, in workloads %s; delete or change them, and the policy and its store go",
-			bounded.Count(n, "pod", "pods", names), bounded.List(pods.names()))
+		st.deleting = fmt.Sprintf("the policy is being deleted, and waits until no pod uses it: %s still do, in workloads %s; its store (%s) stays until then, whatever the deletion's propagation; delete or change them, and the policy and its store go",
+			bounded.Count(n, "pod", "pods", names), bounded.List(pods.names()), heldObjects(p))
+		if c := meta.FindStatusCondition(p.Status.Conditions, v1alpha1.ConditionReady); c == nil || c.Reason != v1alpha1.ReasonPolicyInUse || c.Message != bounded.Message(st.deleting) {
+			r.Recorder.Eventf(p, nil, corev1.EventTypeNormal, v1alpha1.ReasonPolicyInUse, "Delete", "%s",
+				bounded.Note(fmt.Sprintf("Deletion waits for %s that use this policy; its store stays until they are gone", bounded.Count(n, "pod", "pods", names))))
+		}
 		return r.writeStatus(ctx, p, st)
 	}
-	if err := errors.Join(r.releaseRedisSecret(ctx, p), r.releaseSecret(ctx, p, SealName(p.Name))); err != nil {
+	// The managed objects are held by a second owner (holdByNamespace), so
+	// no propagation policy deletes them while pods need them: they go
+	// here, once none does.
+	if err := errors.Join(r.removeManagedRedis(ctx, p), r.releaseSecret(ctx, p, SealName(p.Name))); err != nil {
 		return err
 	}
 	before := p.DeepCopy()
@@ -449,12 +457,12 @@ func (r *IdempotencyPolicyReconciler) ensure(ctx context.Context, p *v1alpha1.Id
 	return nil
 }
 
-// deleteOwned deletes obj if the policy controls it.
+// deleteOwned deletes obj if it is the policy's (managedFor).
 func (r *IdempotencyPolicyReconciler) deleteOwned(ctx context.Context, p *v1alpha1.IdempotencyPolicy, obj client.Object) error {
 	if err := r.Get(ctx, client.ObjectKeyFromObject(obj), obj); err != nil {
 		return client.IgnoreNotFound(err)
 	}
-	if !metav1.IsControlledBy(obj, p) {
+	if !managedFor(obj, p) {
 		return nil
 	}
 	if err := r.Delete(ctx, obj, client.PropagationPolicy(metav1.DeletePropagationBackground)); err != nil && !apierrors.IsNotFound(err) {

@@ -117,7 +117,11 @@ func (r *IdempotencyPolicyReconciler) reconcileManagedRedis(ctx context.Context,
 		return st, 0, err
 	}
 	hash := configHash(secret.Data)
-	if err := r.ensure(ctx, p, sts, func() { mutateRedisStatefulSet(sts, p, image, hash) }); err != nil {
+	hold, err := r.namespaceOwner(ctx, p.Namespace)
+	if err != nil {
+		return st, 0, err
+	}
+	if err := r.ensure(ctx, p, sts, func() { mutateRedisStatefulSet(sts, p, image, hash); holdBy(sts, hold) }); err != nil {
 		return st, 0, err
 	}
 	for _, child := range []struct {
@@ -128,7 +132,7 @@ func (r *IdempotencyPolicyReconciler) reconcileManagedRedis(ctx context.Context,
 		{&policyv1.PodDisruptionBudget{ObjectMeta: objMeta}, func(o client.Object) { mutateRedisPDB(o.(*policyv1.PodDisruptionBudget), p) }},
 		{&networkingv1.NetworkPolicy{ObjectMeta: objMeta}, func(o client.Object) { mutateRedisNetworkPolicy(o.(*networkingv1.NetworkPolicy), p) }},
 	} {
-		if err := r.ensure(ctx, p, child.obj, func() { child.mutate(child.obj) }); err != nil {
+		if err := r.ensure(ctx, p, child.obj, func() { child.mutate(child.obj); holdBy(child.obj, hold) }); err != nil {
 			return st, 0, err
 		}
 	}
@@ -161,6 +165,62 @@ func (r *IdempotencyPolicyReconciler) reconcileManagedRedis(ctx context.Context,
 		st.message += fmt.Sprintf("; its Secret %s is being deleted and stays, with the same password, while this Redis runs (finalizer %s)", name, v1alpha1.FinalizerInUse)
 	}
 	return st, 0, nil
+}
+
+// namespaceOwner is the policy's namespace as an owner of the managed
+// Redis's StatefulSet, Service, PodDisruptionBudget and NetworkPolicy,
+// beside the policy. While an owner that is not being deleted remains, the
+// garbage collector deletes nothing, whatever the propagation of the
+// policy's deletion (with foreground it only removes the policy's
+// reference): so the store outlives every pod that uses it, and the
+// controller deletes these objects itself once none does (finalize). A
+// namespace's own deletion still takes them, with its pods.
+func (r *IdempotencyPolicyReconciler) namespaceOwner(ctx context.Context, ns string) (metav1.OwnerReference, error) {
+	var m metav1.PartialObjectMetadata
+	m.SetGroupVersionKind(corev1.SchemeGroupVersion.WithKind("Namespace"))
+	if err := r.APIReader.Get(ctx, client.ObjectKey{Name: ns}, &m); err != nil {
+		return metav1.OwnerReference{}, fmt.Errorf("reading Namespace %s: %w", ns, err)
+	}
+	return metav1.OwnerReference{APIVersion: "v1", Kind: "Namespace", Name: ns, UID: m.UID}, nil
+}
+
+// holdBy makes hold one of obj's owners (not its controller, and not
+// blocking: the namespace never waits for it).
+func holdBy(obj client.Object, hold metav1.OwnerReference) {
+	var refs []metav1.OwnerReference
+	for _, ref := range obj.GetOwnerReferences() {
+		if ref.UID == hold.UID {
+			return // no update for an object already held
+		}
+		if ref.Kind == "Namespace" && ref.APIVersion == "v1" {
+			continue // a namespace of the same name before
+		}
+		refs = append(refs, ref)
+	}
+	obj.SetOwnerReferences(append(refs, hold))
+}
+
+// managedFor reports whether obj is the policy's own: controlled by it,
+// or left without a controller by the garbage collector (a foreground
+// deletion of the policy removes its reference) and labelled as its.
+func managedFor(obj client.Object, p *v1alpha1.IdempotencyPolicy) bool {
+	if metav1.IsControlledBy(obj, p) {
+		return true
+	}
+	l := obj.GetLabels()
+	return metav1.GetControllerOf(obj) == nil && l["app.kubernetes.io/managed-by"] == managedBy && l[v1alpha1.LabelPolicy] == p.Name && l[v1alpha1.LabelComponent] == redisComponent
+}
+
+// heldObjects names what a policy being deleted keeps for its pods.
+func heldObjects(p *v1alpha1.IdempotencyPolicy) string {
+	if r := p.Spec.Store.Redis; p.Spec.Store.Type == v1alpha1.StoreRedis && r != nil && r.Managed != nil {
+		n := RedisName(p.Name)
+		return fmt.Sprintf("StatefulSet, Service, PodDisruptionBudget, NetworkPolicy and Secret %s, Secret %s", n, SealName(p.Name))
+	}
+	if sharedStore(p) {
+		return "Secret " + SealName(p.Name)
+	}
+	return "each pod's memory"
 }
 
 func containerImage(cs []corev1.Container) string {
