@@ -125,4 +125,3 @@ func TestForegroundDeletionKeepsTheStoreWhilePodsUseIt(t *testing.T) {
 		return errors.Join(errs...)
 	})
 }
-
