@@ -283,8 +283,11 @@ func (i *Injector) checkSecrets(ctx context.Context, ns string, p *v1alpha1.Idem
 		}
 		if _, ok := secret.Data[ref.Key]; !ok {
 			fix := fmt.Sprintf("add the key to the Secret, or change %s", ref.Field)
-			if ref.Managed {
-				fix = "the idemcp controller repairs its own Secrets within seconds and the pod's workload retries; if this stays, see the policy's StoreReady condition (kubectl -n " + ns + " describe idpol " + p.Name + ")"
+			switch {
+			case ref.Managed && ref.Key == credentials.RedisPasswordKey:
+				fix = "the idemcp controller puts it back within seconds, and the pod's workload retries; if this stays, see the policy's StoreReady condition (kubectl -n " + ns + " describe idpol " + p.Name + ")"
+			case ref.Managed:
+				fix = "see the policy's StoreReady condition (kubectl -n " + ns + " describe idpol " + p.Name + "): delete the Secret and idemcp makes a new one (results stored under the old keys then run again once)"
 			}
 			return refuse(DenySecretKeyMissing, "Secret %s/%s (%s) has no key %q, which the sidecar's %s needs: the pod could not start; %s",
 				ns, ref.Name, ref.Field, ref.Key, ref.Env, fix)
