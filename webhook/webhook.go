@@ -20,6 +20,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/webhook/admission"
 
 	"github.com/idemcp/idemcp/api/v1alpha1"
+	"github.com/idemcp/idemcp/internal/bounded"
 	"github.com/idemcp/idemcp/internal/credentials"
 	"github.com/idemcp/idemcp/internal/policy"
 )
@@ -97,7 +98,7 @@ type call struct {
 
 func (c call) event(regarding runtime.Object, eventtype, reason, note string, args ...any) {
 	if !c.dryRun {
-		c.recorder.Eventf(regarding, nil, eventtype, reason, "Inject", note, args...)
+		c.recorder.Eventf(regarding, nil, eventtype, reason, "Inject", "%s", bounded.Note(fmt.Sprintf(note, args...)))
 	}
 }
 
