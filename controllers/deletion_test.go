@@ -105,7 +105,7 @@ func TestForegroundDeletionKeepsTheStoreWhilePodsUseIt(t *testing.T) {
 		var errs []error
 		for _, o := range objs {
 			if err := k8s.Get(ctx, key, o); !apierrors.IsNotFound(err) {
-				errs = append(errs, fmt.Errorf("%T still there: %v", o, err))
+				errs = append(errs, fmt.Errorf("%T still there: %w", o, err))
 			}
 		}
 		p := &v1alpha1.IdempotencyPolicy{}

@@ -50,12 +50,11 @@ func UnobservedSidecars(namespace, hash string, pods []*corev1.Pod) (v1alpha1.Si
 	slices.Sort(stale)
 	st := v1alpha1.SidecarsStatus{Injected: injected, Ratio: fmt.Sprintf("?/%d", injected)}
 	c := metav1.Condition{Type: v1alpha1.ConditionSidecarsSynced}
-	switch {
-	case injected == 0:
+	if injected == 0 {
 		c.Status, c.Reason = metav1.ConditionTrue, v1alpha1.ReasonNoInjectedPods
 		c.Message = "no running pod uses this policy: nothing to sync"
 		st.Ratio = "0/0"
-	default:
+	} else {
 		c.Status, c.Reason = metav1.ConditionUnknown, v1alpha1.ReasonSyncNotObserved
 		c.Message = fmt.Sprintf("the manager runs without the policy stream (--policy-stream-bind-address=0), so no sidecar reports what it applied: each enforces the snapshot its pod started with, and a policy change reaches a pod only when it restarts; %d of %d injected pods started with policy %s",
 			int(injected)-len(stale), injected, hash)
