@@ -2,9 +2,12 @@ package webhook_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strings"
+	"sync"
 	"testing"
+	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	eventsv1 "k8s.io/api/events/v1"
@@ -185,4 +188,43 @@ func TestInjectedEventNamesAGeneratedPodByItsWorkload(t *testing.T) {
 		t.Fatal(err)
 	}
 	assertPolicyEvent(t, ns, "payments", "Injected", "Injected the idemcp sidecar into a new pod of ReplicaSet mcp-5d8f")
+}
+
+// TestTwoHundredReplicasWithCheckedSecrets: 200 pods of a managed Redis
+// policy admitted 50 at a time, each with its Secrets read and checked,
+// are all injected (the outside run's 200-replica case, with the checks
+// this round added).
+func TestTwoHundredReplicasWithCheckedSecrets(t *testing.T) {
+	ctx := context.Background()
+	ns := namespace(t, true)
+	createPolicy(t, ns, "payments", managedSpec())
+	envtestutil.Eventually(t, "the managed Secrets", func() error {
+		return errors.Join(k8s.Get(ctx, client.ObjectKey{Namespace: ns, Name: "payments-redis"}, &corev1.Secret{}),
+			k8s.Get(ctx, client.ObjectKey{Namespace: ns, Name: "payments-seal"}, &corev1.Secret{}))
+	})
+	const n, parallel = 200, 50
+	errs := make(chan error, n)
+	sem := make(chan struct{}, parallel)
+	var wg sync.WaitGroup
+	start := time.Now()
+	for i := range n {
+		wg.Go(func() {
+			sem <- struct{}{}
+			defer func() { <-sem }()
+			pod := mcpPod(ns, fmt.Sprintf("mcp-%03d", i), optIn)
+			if err := k8s.Create(ctx, pod); err != nil {
+				errs <- err
+				return
+			}
+			if !webhook.Injected(pod) {
+				errs <- fmt.Errorf("pod %s was not injected", pod.Name)
+			}
+		})
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
+	t.Logf("%d pods admitted, %d at a time, in %s", n, parallel, time.Since(start))
 }
