@@ -34,6 +34,8 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/reconcile"
 
 	"github.com/idemcp/idemcp/api/v1alpha1"
+	"github.com/idemcp/idemcp/internal/bounded"
+	"github.com/idemcp/idemcp/internal/credentials"
 	"github.com/idemcp/idemcp/internal/policy"
 )
 
@@ -60,6 +62,10 @@ type IdempotencyPolicyReconciler struct {
 	// SecretRecheck is how soon a policy whose Secret is missing looks
 	// again (default 10s).
 	SecretRecheck time.Duration
+	// SidecarsUnobserved is set when the manager runs no policy stream:
+	// the reconciler then writes status.sidecars and SidecarsSynced
+	// (UnobservedSidecars), which the stream writes otherwise.
+	SidecarsUnobserved bool
 }
 
 // +kubebuilder:rbac:groups=idemcp.io,resources=idempotencypolicies,verbs=get;list;watch;patch
@@ -75,6 +81,7 @@ type IdempotencyPolicyReconciler struct {
 // +kubebuilder:rbac:groups=policy,resources=poddisruptionbudgets,verbs=get;list;watch;create;update;patch;delete
 // +kubebuilder:rbac:groups=networking.k8s.io,resources=networkpolicies,verbs=get;list;watch;create;update;patch;delete
 // +kubebuilder:rbac:groups="",resources=pods,verbs=get;list;watch
+// +kubebuilder:rbac:groups="",resources=namespaces,verbs=get
 // +kubebuilder:rbac:groups=events.k8s.io,resources=events,verbs=create;patch
 
 // Reconcile brings one policy's children and status in line with its spec.
@@ -137,6 +144,9 @@ func (r *IdempotencyPolicyReconciler) Reconcile(ctx context.Context, req ctrl.Re
 		st.Store = &v1alpha1.StoreStatus{Endpoint: store.endpoint, Image: store.image}
 	}
 	r.warnOnChange(&p, store)
+	if r.SidecarsUnobserved {
+		err = errors.Join(err, r.writeUnobservedSidecars(ctx, &p, compiled.Hash, pods))
+	}
 	return ctrl.Result{RequeueAfter: requeue}, errors.Join(err, r.writeStatus(ctx, &p, st))
 }
 
@@ -152,18 +162,22 @@ func (r *IdempotencyPolicyReconciler) finalize(ctx context.Context, p *v1alpha1.
 			names = append(names, pod.Name)
 		}
 		slices.Sort(names)
-		if len(names) > 5 {
-			names = append(names[:5], "...")
-		}
 		st := ownedStatus{ObservedGeneration: p.Generation, PolicyHash: p.Status.PolicyHash, Store: p.Status.Store}
 		if c := meta.FindStatusCondition(p.Status.Conditions, v1alpha1.ConditionStoreReady); c != nil {
 			st.Conditions = append(st.Conditions, *c)
 		}
-		st.deleting = fmt.Sprintf("the policy is being deleted, and waits until no pod uses it: %d pods still do (%s) in workloads %s; delete or change them, and the policy and its store go",
-			n, strings.Join(names, ", "), strings.Join(pods.names(), ", "))
+		st.deleting = fmt.Sprintf("the policy is being deleted, and waits until no pod uses it: %s still do, in workloads %s; its store (%s) stays until then, whatever the deletion's propagation; delete or change them, and the policy and its store go",
+			bounded.Count(n, "pod", "pods", names), bounded.List(pods.names()), heldObjects(p))
+		if c := meta.FindStatusCondition(p.Status.Conditions, v1alpha1.ConditionReady); c == nil || c.Reason != v1alpha1.ReasonPolicyInUse || c.Message != bounded.Message(st.deleting) {
+			r.Recorder.Eventf(p, nil, corev1.EventTypeNormal, v1alpha1.ReasonPolicyInUse, "Delete", "%s",
+				bounded.Note(fmt.Sprintf("Deletion waits for %s that use this policy; its store stays until they are gone", bounded.Count(n, "pod", "pods", names))))
+		}
 		return r.writeStatus(ctx, p, st)
 	}
-	if err := errors.Join(r.releaseRedisSecret(ctx, p), r.releaseSecret(ctx, p, SealName(p.Name))); err != nil {
+	// The managed objects are held by a second owner (holdByNamespace), so
+	// no propagation policy deletes them while pods need them: they go
+	// here, once none does.
+	if err := errors.Join(r.removeManagedRedis(ctx, p), r.releaseSecret(ctx, p, SealName(p.Name))); err != nil {
 		return err
 	}
 	before := p.DeepCopy()
@@ -210,7 +224,7 @@ func (r *IdempotencyPolicyReconciler) reconcileStore(ctx context.Context, p *v1a
 		if ws := pods.names(); len(ws) > 1 {
 			st.reason = v1alpha1.ReasonStoreSharedByWorkloads
 			st.message = fmt.Sprintf("pods of %d workloads use this policy (%s): a policy's key space belongs to one MCP server, so these servers may replay each other's results for the same tool and arguments; give each its own policy",
-				len(ws), strings.Join(ws, ", "))
+				len(ws), bounded.List(ws))
 		}
 	}
 	return st, requeue, err
@@ -222,14 +236,9 @@ func memoryState(pods *policyPods) storeState {
 	if n, detail := pods.serving(); n > 1 {
 		st.reason = v1alpha1.ReasonMemoryStoreShared
 		st.message = fmt.Sprintf("%d replicas serve at once with the Memory store (%s): each keeps its own records, so a retry that reaches another replica runs again; use store.type: Redis to share them",
-			n, strings.Join(detail, ", "))
+			n, bounded.List(detail))
 	}
 	return st
-}
-
-// secretLabelHint is how a person opts a Secret in.
-func secretLabelHint(ns, name string) string {
-	return fmt.Sprintf("kubectl -n %s label secret %s %s=true", ns, name, v1alpha1.LabelCredentials)
 }
 
 func (r *IdempotencyPolicyReconciler) reconcileExternalRedis(ctx context.Context, p *v1alpha1.IdempotencyPolicy) (storeState, time.Duration, error) {
@@ -251,10 +260,9 @@ func (r *IdempotencyPolicyReconciler) reconcileExternalRedis(ctx context.Context
 	case err != nil:
 		return storeState{}, 0, fmt.Errorf("reading Secret %s/%s: %w", p.Namespace, ref.Name, err)
 	}
-	if secret.Labels[v1alpha1.LabelCredentials] != "true" {
+	if err := credentials.Check(credentials.Ref{Field: "spec.store.redis.external.passwordSecretRef", Name: ref.Name, Key: ref.Key}, &secret); err != nil {
 		st.status, st.reason = metav1.ConditionFalse, v1alpha1.ReasonSecretNotLabelled
-		st.message = fmt.Sprintf("Secret %s/%s named by spec.store.redis.external.passwordSecretRef lacks the label %s: \"true\", which opts a Secret in to use by idemcp (so that editing a policy cannot send any Secret to any address); add it: %s",
-			p.Namespace, ref.Name, v1alpha1.LabelCredentials, secretLabelHint(p.Namespace, ref.Name))
+		st.message = err.Error() + "; until then the webhook refuses new pods of this policy"
 		return st, r.recheck(), nil
 	}
 	if _, ok := secret.Data[ref.Key]; !ok {
@@ -283,6 +291,7 @@ var warningReasons = map[string]bool{
 	v1alpha1.ReasonInvalidSecret:          true,
 	v1alpha1.ReasonRedisObjectConflict:    true,
 	v1alpha1.ReasonRedisPasswordReset:     true,
+	v1alpha1.ReasonRedisPasswordChanged:   true,
 	v1alpha1.ReasonProvisioningFailed:     true,
 }
 
@@ -293,7 +302,7 @@ func (r *IdempotencyPolicyReconciler) warnOnChange(p *v1alpha1.IdempotencyPolicy
 	if c := meta.FindStatusCondition(p.Status.Conditions, v1alpha1.ConditionStoreReady); c != nil && c.Reason == st.reason && c.Status == st.status && c.Message == st.message {
 		return
 	}
-	r.Recorder.Eventf(p, nil, corev1.EventTypeWarning, st.reason, "CheckStore", "%s", st.message)
+	r.Recorder.Eventf(p, nil, corev1.EventTypeWarning, st.reason, "CheckStore", "%s", bounded.Note(st.message))
 }
 
 // ownedStatus is the part of the status the reconciler owns, written with
@@ -333,8 +342,12 @@ func Ready(generation int64, conds []metav1.Condition, deleting string) metav1.C
 			msg = "the store is not ready: " + store.Message
 		}
 		c.Status, c.Reason, c.Message = metav1.ConditionFalse, v1alpha1.ReasonStoreNotReady, msg
-	case sidecars != nil && sidecars.Status == metav1.ConditionFalse:
+	case sidecars == nil:
+		c.Status, c.Reason, c.Message = metav1.ConditionUnknown, v1alpha1.ReasonSyncNotObserved, "the store is ready; what the sidecars enforce is not reported yet"
+	case sidecars.Status == metav1.ConditionFalse:
 		c.Status, c.Reason, c.Message = metav1.ConditionFalse, v1alpha1.ReasonSidecarsNotSynced, "the sidecars are not synced: "+sidecars.Message
+	case sidecars.Status != metav1.ConditionTrue:
+		c.Status, c.Reason, c.Message = metav1.ConditionUnknown, v1alpha1.ReasonSyncNotObserved, "the store is ready; whether the sidecars enforce this policy is not observed: "+sidecars.Message
 	}
 	return c
 }
@@ -347,6 +360,11 @@ func (r *IdempotencyPolicyReconciler) writeStatus(ctx context.Context, p *v1alph
 	}
 	meta.SetStatusCondition(&conds, Ready(p.Generation, conds, st.deleting))
 	st.Conditions = append(st.Conditions, *meta.FindStatusCondition(conds, v1alpha1.ConditionReady))
+	for i := range st.Conditions {
+		// The backstop: a message the API server refuses would freeze the
+		// whole status, observedGeneration included.
+		st.Conditions[i].Message = bounded.Message(st.Conditions[i].Message)
+	}
 
 	status, err := runtime.DefaultUnstructuredConverter.ToUnstructured(&st)
 	if err != nil {
@@ -439,12 +457,12 @@ func (r *IdempotencyPolicyReconciler) ensure(ctx context.Context, p *v1alpha1.Id
 	return nil
 }
 
-// deleteOwned deletes obj if the policy controls it.
+// deleteOwned deletes obj if it is the policy's (managedFor).
 func (r *IdempotencyPolicyReconciler) deleteOwned(ctx context.Context, p *v1alpha1.IdempotencyPolicy, obj client.Object) error {
 	if err := r.Get(ctx, client.ObjectKeyFromObject(obj), obj); err != nil {
 		return client.IgnoreNotFound(err)
 	}
-	if !metav1.IsControlledBy(obj, p) {
+	if !managedFor(obj, p) {
 		return nil
 	}
 	if err := r.Delete(ctx, obj, client.PropagationPolicy(metav1.DeletePropagationBackground)); err != nil && !apierrors.IsNotFound(err) {
@@ -522,8 +540,7 @@ func podToPolicy(_ context.Context, o client.Object) []reconcile.Request {
 }
 
 // secretToPolicies maps a Secret to the policies of its namespace that
-// name it: as their external password, their managed Redis's, or their
-// seal keys.
+// use it (credentials.Refs) or make it.
 func (r *IdempotencyPolicyReconciler) secretToPolicies(ctx context.Context, o client.Object) []reconcile.Request {
 	var list v1alpha1.IdempotencyPolicyList
 	if err := r.List(ctx, &list, client.InNamespace(o.GetNamespace())); err != nil {
@@ -533,11 +550,11 @@ func (r *IdempotencyPolicyReconciler) secretToPolicies(ctx context.Context, o cl
 	var out []reconcile.Request
 	for i := range list.Items {
 		p := &list.Items[i]
-		ref := (*v1alpha1.SecretKeyRef)(nil)
-		if s := p.Spec.Store.Redis; s != nil && s.External != nil {
-			ref = s.External.PasswordSecretRef
+		names := []string{RedisName(p.Name), SealName(p.Name)}
+		for _, ref := range credentials.Refs(p) {
+			names = append(names, ref.Name)
 		}
-		if RedisName(p.Name) == o.GetName() || SealName(p.Name) == o.GetName() || (ref != nil && ref.Name == o.GetName()) {
+		if slices.Contains(names, o.GetName()) {
 			out = append(out, reconcile.Request{NamespacedName: client.ObjectKeyFromObject(p)})
 		}
 	}

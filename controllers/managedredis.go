@@ -2,6 +2,8 @@ package controllers
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"fmt"
 	"slices"
 	"strings"
@@ -17,14 +19,33 @@ import (
 	"k8s.io/apimachinery/pkg/runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/controller/controllerutil"
+	"sigs.k8s.io/controller-runtime/pkg/log"
 
 	"github.com/idemcp/idemcp/api/v1alpha1"
+	"github.com/idemcp/idemcp/internal/bounded"
 )
 
 // annotationPasswordReset on the managed Secret records when a lost
 // Secret was replaced by one with a new password: pods created before
 // then hold the old one.
 const annotationPasswordReset = "idemcp.io/password-reset-at"
+
+// annotationPasswordHash on the managed Secret is a short hash of the
+// password it was last seen with: a different one was written by hand,
+// and the pods created before then hold the old one.
+// annotationPasswordResetCause says why the password changed: lost (the
+// Secret was recreated), edited, or missing (its key was removed).
+const (
+	annotationPasswordHash       = "idemcp.io/password-hash"
+	annotationPasswordResetCause = "idemcp.io/password-reset-cause"
+	resetLost                    = "lost"
+	resetEdited                  = "edited"
+	resetMissing                 = "missing"
+)
+
+// ReasonRedisSecretRepaired is the Event of a managed Redis Secret whose
+// keys were put back.
+const ReasonRedisSecretRepaired = "RedisSecretRepaired"
 
 // replacingRecheck is how often a policy whose old Redis is shutting down
 // looks again.
@@ -96,7 +117,11 @@ func (r *IdempotencyPolicyReconciler) reconcileManagedRedis(ctx context.Context,
 		return st, 0, err
 	}
 	hash := configHash(secret.Data)
-	if err := r.ensure(ctx, p, sts, func() { mutateRedisStatefulSet(sts, p, image, hash) }); err != nil {
+	hold, err := r.namespaceOwner(ctx, p.Namespace)
+	if err != nil {
+		return st, 0, err
+	}
+	if err := r.ensure(ctx, p, sts, func() { mutateRedisStatefulSet(sts, p, image, hash); holdBy(sts, hold) }); err != nil {
 		return st, 0, err
 	}
 	for _, child := range []struct {
@@ -107,15 +132,23 @@ func (r *IdempotencyPolicyReconciler) reconcileManagedRedis(ctx context.Context,
 		{&policyv1.PodDisruptionBudget{ObjectMeta: objMeta}, func(o client.Object) { mutateRedisPDB(o.(*policyv1.PodDisruptionBudget), p) }},
 		{&networkingv1.NetworkPolicy{ObjectMeta: objMeta}, func(o client.Object) { mutateRedisNetworkPolicy(o.(*networkingv1.NetworkPolicy), p) }},
 	} {
-		if err := r.ensure(ctx, p, child.obj, func() { child.mutate(child.obj) }); err != nil {
+		if err := r.ensure(ctx, p, child.obj, func() { child.mutate(child.obj); holdBy(child.obj, hold) }); err != nil {
 			return st, 0, err
 		}
 	}
 
 	if stale := stalePods(pods, secret, reset); len(stale) > 0 {
 		st.status, st.reason = metav1.ConditionFalse, v1alpha1.ReasonRedisPasswordReset
-		st.message = fmt.Sprintf("the Secret %s was deleted before idemcp protected it, so Redis restarted with a new password; %d pods still hold the old one (%s): restart them (kubectl -n %s rollout restart ...)",
-			name, len(stale), strings.Join(stale, ", "), p.Namespace)
+		why := fmt.Sprintf("the Secret %s was deleted before idemcp protected it, so Redis restarted with a new password", name)
+		switch secret.Annotations[annotationPasswordResetCause] {
+		case resetEdited:
+			st.reason = v1alpha1.ReasonRedisPasswordChanged
+			why = fmt.Sprintf("the password in Secret %s was changed by hand, so Redis restarted with it", name)
+		case resetMissing:
+			why = fmt.Sprintf("the Secret %s lost its password key, so Redis restarted with a new password", name)
+		}
+		st.message = fmt.Sprintf("%s; %s still hold the old one in their sidecar's environment, and every store call of theirs fails: restart them (%s)",
+			why, bounded.Count(len(stale), "pod", "pods", stale), restartHint(p.Namespace, pods, stale))
 		return st, 0, nil
 	}
 	if sts.Status.ReadyReplicas > 0 && sts.Status.ObservedGeneration >= sts.Generation {
@@ -132,6 +165,62 @@ func (r *IdempotencyPolicyReconciler) reconcileManagedRedis(ctx context.Context,
 		st.message += fmt.Sprintf("; its Secret %s is being deleted and stays, with the same password, while this Redis runs (finalizer %s)", name, v1alpha1.FinalizerInUse)
 	}
 	return st, 0, nil
+}
+
+// namespaceOwner is the policy's namespace as an owner of the managed
+// Redis's StatefulSet, Service, PodDisruptionBudget and NetworkPolicy,
+// beside the policy. While an owner that is not being deleted remains, the
+// garbage collector deletes nothing, whatever the propagation of the
+// policy's deletion (with foreground it only removes the policy's
+// reference): so the store outlives every pod that uses it, and the
+// controller deletes these objects itself once none does (finalize). A
+// namespace's own deletion still takes them, with its pods.
+func (r *IdempotencyPolicyReconciler) namespaceOwner(ctx context.Context, ns string) (metav1.OwnerReference, error) {
+	var m metav1.PartialObjectMetadata
+	m.SetGroupVersionKind(corev1.SchemeGroupVersion.WithKind("Namespace"))
+	if err := r.APIReader.Get(ctx, client.ObjectKey{Name: ns}, &m); err != nil {
+		return metav1.OwnerReference{}, fmt.Errorf("reading Namespace %s: %w", ns, err)
+	}
+	return metav1.OwnerReference{APIVersion: "v1", Kind: "Namespace", Name: ns, UID: m.UID}, nil
+}
+
+// holdBy makes hold one of obj's owners (not its controller, and not
+// blocking: the namespace never waits for it).
+func holdBy(obj client.Object, hold metav1.OwnerReference) {
+	var refs []metav1.OwnerReference
+	for _, ref := range obj.GetOwnerReferences() {
+		if ref.UID == hold.UID {
+			return // no update for an object already held
+		}
+		if ref.Kind == "Namespace" && ref.APIVersion == "v1" {
+			continue // a namespace of the same name before
+		}
+		refs = append(refs, ref)
+	}
+	obj.SetOwnerReferences(append(refs, hold))
+}
+
+// managedFor reports whether obj is the policy's own: controlled by it,
+// or left without a controller by the garbage collector (a foreground
+// deletion of the policy removes its reference) and labelled as its.
+func managedFor(obj client.Object, p *v1alpha1.IdempotencyPolicy) bool {
+	if metav1.IsControlledBy(obj, p) {
+		return true
+	}
+	l := obj.GetLabels()
+	return metav1.GetControllerOf(obj) == nil && l["app.kubernetes.io/managed-by"] == managedBy && l[v1alpha1.LabelPolicy] == p.Name && l[v1alpha1.LabelComponent] == redisComponent
+}
+
+// heldObjects names what a policy being deleted keeps for its pods.
+func heldObjects(p *v1alpha1.IdempotencyPolicy) string {
+	if r := p.Spec.Store.Redis; p.Spec.Store.Type == v1alpha1.StoreRedis && r != nil && r.Managed != nil {
+		n := RedisName(p.Name)
+		return fmt.Sprintf("StatefulSet, Service, PodDisruptionBudget, NetworkPolicy and Secret %s, Secret %s", n, SealName(p.Name))
+	}
+	if sharedStore(p) {
+		return "Secret " + SealName(p.Name)
+	}
+	return "each pod's memory"
 }
 
 func containerImage(cs []corev1.Container) string {
@@ -174,17 +263,26 @@ func (r *IdempotencyPolicyReconciler) ensureRedisSecret(ctx context.Context, p *
 		if !metav1.IsControlledBy(&secret, p) {
 			return nil, false, newConflict("Secret", &secret)
 		}
+		before := secret.DeepCopy()
 		// Secrets made by an earlier idemcp lack the label (the watch sees
 		// only labelled Secrets) and the finalizer.
-		if secret.Labels[v1alpha1.LabelCredentials] != "true" || (secret.DeletionTimestamp.IsZero() && !controllerutil.ContainsFinalizer(&secret, v1alpha1.FinalizerInUse)) {
-			before := secret.DeepCopy()
-			secret.Labels = mergeLabels(secret.Labels, map[string]string{v1alpha1.LabelCredentials: "true"})
-			if secret.DeletionTimestamp.IsZero() {
-				controllerutil.AddFinalizer(&secret, v1alpha1.FinalizerInUse)
-			}
-			if err := r.Patch(ctx, &secret, client.MergeFrom(before)); err != nil {
-				return nil, false, fmt.Errorf("labelling Secret %s/%s: %w", p.Namespace, name, err)
-			}
+		secret.Labels = mergeLabels(secret.Labels, map[string]string{v1alpha1.LabelCredentials: "true"})
+		if secret.DeletionTimestamp.IsZero() {
+			controllerutil.AddFinalizer(&secret, v1alpha1.FinalizerInUse)
+		}
+		repairs, err := repairRedisSecret(&secret, redisRuns, time.Now())
+		if err != nil {
+			return nil, false, err
+		}
+		if equalObjects(before, &secret) {
+			return &secret, false, nil
+		}
+		if err := r.Patch(ctx, &secret, client.MergeFromWithOptions(before, client.MergeFromWithOptimisticLock{})); err != nil {
+			return nil, false, fmt.Errorf("updating Secret %s/%s: %w", p.Namespace, name, err)
+		}
+		for _, msg := range repairs {
+			log.FromContext(ctx).Info("Repaired the managed Redis's Secret", "secret", name, "repair", msg)
+			r.Recorder.Eventf(p, &secret, corev1.EventTypeWarning, ReasonRedisSecretRepaired, "Provision", "%s", msg)
 		}
 		return &secret, false, nil
 	}
@@ -202,8 +300,10 @@ func (r *IdempotencyPolicyReconciler) ensureRedisSecret(ctx context.Context, p *
 		Type:       corev1.SecretTypeOpaque,
 		Data:       redisSecretData(password),
 	}
+	secret.Annotations = map[string]string{annotationPasswordHash: passwordHash([]byte(password))}
 	if redisRuns {
-		secret.Annotations = map[string]string{annotationPasswordReset: time.Now().UTC().Format(time.RFC3339Nano)}
+		secret.Annotations[annotationPasswordReset] = time.Now().UTC().Format(time.RFC3339Nano)
+		secret.Annotations[annotationPasswordResetCause] = resetLost
 	}
 	if err := controllerutil.SetControllerReference(p, &secret, r.Scheme); err != nil {
 		return nil, false, err
@@ -218,6 +318,73 @@ func (r *IdempotencyPolicyReconciler) ensureRedisSecret(ctx context.Context, p *
 		r.Recorder.Eventf(p, &secret, corev1.EventTypeNormal, "Created", "Provision", "Created Secret %s with the Redis password", name)
 	}
 	return &secret, redisRuns, nil
+}
+
+func passwordHash(pw []byte) string {
+	sum := sha256.Sum256(pw)
+	return hex.EncodeToString(sum[:8])
+}
+
+// passwordFromConf reads the requirepass line of a redis.conf idemcp wrote.
+func passwordFromConf(conf []byte) string {
+	for _, line := range strings.Split(string(conf), "\n") {
+		if pw, ok := strings.CutPrefix(strings.TrimSpace(line), "requirepass "); ok {
+			return strings.TrimSpace(pw)
+		}
+	}
+	return ""
+}
+
+// repairRedisSecret keeps a managed Redis's Secret whole and consistent,
+// in secret: the password key is the truth, and redis.conf is made from
+// it. A removed password is taken back from redis.conf (Redis runs with
+// it), else made anew; a password edited by hand is kept, and recorded as
+// a reset, so that the pods that hold the old one are named. It returns
+// what it repaired, for Events.
+func repairRedisSecret(secret *corev1.Secret, redisRuns bool, now time.Time) ([]string, error) {
+	if secret.Data == nil {
+		secret.Data = map[string][]byte{}
+	}
+	if secret.Annotations == nil {
+		secret.Annotations = map[string]string{}
+	}
+	var repairs []string
+	cause := ""
+	pw := secret.Data[redisPasswordKey]
+	if len(pw) == 0 {
+		if old := passwordFromConf(secret.Data[redisConfigKey]); old != "" {
+			pw = []byte(old)
+			repairs = append(repairs, fmt.Sprintf("Secret %s had no key %q; put it back with the password of its %s, which Redis runs with", secret.Name, redisPasswordKey, redisConfigKey))
+		} else {
+			fresh, err := newRedisPassword()
+			if err != nil {
+				return nil, fmt.Errorf("generating the Redis password: %w", err)
+			}
+			pw = []byte(fresh)
+			repairs = append(repairs, fmt.Sprintf("Secret %s had no key %q and no usable %s; made a new password, and Redis restarts with it; pods that use this policy need a restart", secret.Name, redisPasswordKey, redisConfigKey))
+			if redisRuns {
+				cause = resetMissing
+			}
+		}
+		secret.Data[redisPasswordKey] = pw
+	}
+	if want := redisSecretData(string(pw))[redisConfigKey]; string(secret.Data[redisConfigKey]) != string(want) {
+		if len(repairs) == 0 {
+			repairs = append(repairs, fmt.Sprintf("Secret %s's %s did not match its %q key (the password is the truth); wrote it again from the password", secret.Name, redisConfigKey, redisPasswordKey))
+		}
+		secret.Data[redisConfigKey] = want
+	}
+	hash := passwordHash(pw)
+	if seen, ok := secret.Annotations[annotationPasswordHash]; ok && seen != hash && cause == "" && redisRuns {
+		cause = resetEdited
+		repairs = append(repairs, fmt.Sprintf("the password in Secret %s was changed by hand; Redis restarts with it, and the pods that use this policy keep the old one until they restart", secret.Name))
+	}
+	secret.Annotations[annotationPasswordHash] = hash
+	if cause != "" {
+		secret.Annotations[annotationPasswordReset] = now.UTC().Format(time.RFC3339Nano)
+		secret.Annotations[annotationPasswordResetCause] = cause
+	}
+	return repairs, nil
 }
 
 // stalePods are the pods created before the password was reset: their

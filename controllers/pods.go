@@ -15,6 +15,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"github.com/idemcp/idemcp/api/v1alpha1"
+	"github.com/idemcp/idemcp/internal/bounded"
 )
 
 // workload is a pod's top-level owner, such as Deployment/api.
@@ -32,6 +33,8 @@ type policyPods struct {
 	// for each revision, how many of its pods are ready and not
 	// terminating.
 	workloads map[workload]map[string]int
+	// top is each live pod's top-level workload, by pod name.
+	top map[string]workload
 }
 
 // sorted returns the workloads in a stable order.
@@ -91,7 +94,7 @@ func (r *IdempotencyPolicyReconciler) listPolicyPods(ctx context.Context, p *v1a
 	if err := r.List(ctx, &pods, client.InNamespace(p.Namespace), client.MatchingLabels{v1alpha1.LabelPolicy: p.Name}); err != nil {
 		return nil, fmt.Errorf("listing pods of %s: %w", klog.KObj(p), err)
 	}
-	out := &policyPods{workloads: map[workload]map[string]int{}}
+	out := &policyPods{workloads: map[workload]map[string]int{}, top: map[string]workload{}}
 	owners := map[workload]workload{} // intermediate owner -> top-level
 	for i := range pods.Items {
 		pod := &pods.Items[i]
@@ -103,6 +106,7 @@ func (r *IdempotencyPolicyReconciler) listPolicyPods(ctx context.Context, p *v1a
 		if err != nil {
 			return nil, err
 		}
+		out.top[pod.Name] = top
 		revs := out.workloads[top]
 		if revs == nil {
 			revs = map[string]int{}
@@ -158,4 +162,32 @@ func (r *IdempotencyPolicyReconciler) topOwner(ctx context.Context, pod *corev1.
 	}
 	seen[direct] = top
 	return top, rev, nil
+}
+
+// restartHint is the kubectl commands that restart the named pods: a
+// rollout restart of each workload they belong to (a Deployment, a
+// StatefulSet, a DaemonSet), else a delete of the pod; bounded.
+func restartHint(ns string, pods *policyPods, names []string) string {
+	want := map[string]bool{}
+	for _, n := range names {
+		want[n] = true
+	}
+	var cmds []string
+	seen := map[string]bool{}
+	for _, pod := range pods.live {
+		if !want[pod.Name] {
+			continue
+		}
+		cmd := fmt.Sprintf("kubectl -n %s delete pod %s", ns, pod.Name)
+		switch w := pods.top[pod.Name]; w.kind {
+		case "Deployment", "StatefulSet", "DaemonSet":
+			cmd = fmt.Sprintf("kubectl -n %s rollout restart %s/%s", ns, strings.ToLower(w.kind), w.name)
+		}
+		if !seen[cmd] {
+			seen[cmd] = true
+			cmds = append(cmds, cmd)
+		}
+	}
+	slices.Sort(cmds)
+	return bounded.ListN(cmds, 5)
 }

@@ -12,6 +12,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/idemcp/idemcp/api/v1alpha1"
+	"github.com/idemcp/idemcp/internal/credentials"
 )
 
 // reconcilePostgres checks the Secret of a PostgreSQL store: it exists, has
@@ -30,10 +31,9 @@ func (r *IdempotencyPolicyReconciler) reconcilePostgres(ctx context.Context, p *
 	case err != nil:
 		return st, 0, fmt.Errorf("reading Secret %s/%s: %w", p.Namespace, ref.Name, err)
 	}
-	if secret.Labels[v1alpha1.LabelCredentials] != "true" {
+	if err := credentials.Check(credentials.Ref{Field: "spec.store.postgres.urlSecretRef", Name: ref.Name, Key: ref.Key}, &secret); err != nil {
 		st.status, st.reason = metav1.ConditionFalse, v1alpha1.ReasonSecretNotLabelled
-		st.message = fmt.Sprintf("Secret %s/%s named by spec.store.postgres.urlSecretRef lacks the label %s: \"true\", which opts a Secret in to use by idemcp (so that editing a policy cannot send any Secret to any address); add it: %s",
-			p.Namespace, ref.Name, v1alpha1.LabelCredentials, secretLabelHint(p.Namespace, ref.Name))
+		st.message = err.Error() + "; until then the webhook refuses new pods of this policy"
 		return st, r.recheck(), nil
 	}
 	raw, ok := secret.Data[ref.Key]

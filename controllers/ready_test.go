@@ -27,8 +27,10 @@ func TestReadySumsUpTheOtherConditions(t *testing.T) {
 		reason   string
 	}{
 		{"nothing yet", nil, "", metav1.ConditionFalse, v1alpha1.ReasonStoreNotReady},
-		{"store ready", []metav1.Condition{store(metav1.ConditionTrue, v1alpha1.ReasonMemoryStore)}, "", metav1.ConditionTrue, v1alpha1.ReasonReady},
-		{"store ready with a warning", []metav1.Condition{store(metav1.ConditionTrue, v1alpha1.ReasonStoreSharedByWorkloads)}, "", metav1.ConditionTrue, v1alpha1.ReasonReady},
+		// Ready says True only when someone saw the sidecars apply it.
+		{"store ready, sidecars not reported", []metav1.Condition{store(metav1.ConditionTrue, v1alpha1.ReasonMemoryStore)}, "", metav1.ConditionUnknown, v1alpha1.ReasonSyncNotObserved},
+		{"sidecars not observed", []metav1.Condition{store(metav1.ConditionTrue, v1alpha1.ReasonMemoryStore), synced(metav1.ConditionUnknown)}, "", metav1.ConditionUnknown, v1alpha1.ReasonSyncNotObserved},
+		{"store ready with a warning", []metav1.Condition{store(metav1.ConditionTrue, v1alpha1.ReasonStoreSharedByWorkloads), synced(metav1.ConditionTrue)}, "", metav1.ConditionTrue, v1alpha1.ReasonReady},
 		{"store not ready", []metav1.Condition{store(metav1.ConditionFalse, v1alpha1.ReasonSecretNotFound)}, "", metav1.ConditionFalse, v1alpha1.ReasonStoreNotReady},
 		{"invalid spec", []metav1.Condition{store(metav1.ConditionUnknown, v1alpha1.ReasonInvalidSpec)}, "", metav1.ConditionFalse, v1alpha1.ReasonInvalidSpec},
 		{"sidecars behind", []metav1.Condition{store(metav1.ConditionTrue, v1alpha1.ReasonRedisAvailable), synced(metav1.ConditionFalse)}, "", metav1.ConditionFalse, v1alpha1.ReasonSidecarsNotSynced},

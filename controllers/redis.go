@@ -18,6 +18,7 @@ import (
 	"k8s.io/utils/ptr"
 
 	"github.com/idemcp/idemcp/api/v1alpha1"
+	"github.com/idemcp/idemcp/internal/credentials"
 )
 
 // DefaultRedisImage runs a new managed Redis when the policy names no image.
@@ -36,8 +37,8 @@ var (
 
 const (
 	redisPort          = 6379
-	redisPasswordKey   = "password"
-	redisConfigKey     = "redis.conf"
+	redisPasswordKey   = credentials.RedisPasswordKey
+	redisConfigKey     = credentials.RedisConfigKey
 	redisComponent     = "redis"
 	redisContainer     = "redis"
 	redisDataVolume    = "data"
@@ -61,7 +62,7 @@ var RedisReadinessCommand = []string{"sh", "-c", "redis-cli -h 127.0.0.1 -p 6379
 
 // RedisName is the name of the Secret, StatefulSet, Service,
 // PodDisruptionBudget and NetworkPolicy of a policy's managed Redis.
-func RedisName(policy string) string { return policy + "-redis" }
+func RedisName(policy string) string { return credentials.RedisSecretName(policy) }
 
 // RedisClaimName is the volume claim of a policy's managed Redis.
 func RedisClaimName(policy string) string { return redisDataVolume + "-" + RedisName(policy) + "-0" }

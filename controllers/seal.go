@@ -16,6 +16,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/log"
 
 	"github.com/idemcp/idemcp/api/v1alpha1"
+	"github.com/idemcp/idemcp/internal/credentials"
 	"github.com/idemcp/idemcp/internal/policy"
 	"github.com/idemcp/idemcp/sidecar/store"
 )
@@ -38,7 +39,7 @@ import (
 //     the policy's longest TTL (plus its lease), then dropped.
 const (
 	// SealKeysKey is the key of the Secret's data that holds the keyring.
-	SealKeysKey = "keys"
+	SealKeysKey = credentials.SealKeysKey
 	// AnnotationRotateSealKey on the seal Secret asks for a rotation; the
 	// controller removes it when the rotation starts.
 	AnnotationRotateSealKey = "idemcp.io/rotate-seal-key"
@@ -56,7 +57,7 @@ const (
 )
 
 // SealName is the name of a policy's seal Secret.
-func SealName(policy string) string { return policy + "-seal" }
+func SealName(policy string) string { return credentials.SealSecretName(policy) }
 
 // sharedStore reports whether a policy's results live outside the sidecars
 // (Redis, Postgres): those are sealed.

@@ -15,6 +15,7 @@ import (
 	"k8s.io/utils/ptr"
 
 	"github.com/idemcp/idemcp/api/v1alpha1"
+	"github.com/idemcp/idemcp/internal/credentials"
 	"github.com/idemcp/idemcp/internal/policy"
 )
 
@@ -137,6 +138,14 @@ const (
 	DenyNameCollision    = "name_collision"
 	DenyPortCollision    = "port_collision"
 	DenyResources        = "resources"
+	// DenySecretNotLabelled: the policy names a Secret without the label
+	// idemcp.io/credentials: "true" (credentials.Check).
+	DenySecretNotLabelled = "secret_not_labelled"
+	// DenySecretKeyMissing: a Secret the sidecar needs lacks the key.
+	DenySecretKeyMissing = "secret_key_missing"
+	// DenyRestartPolicy: a plain-container sidecar in a pod that is meant
+	// to complete (restartPolicy OnFailure or Never) would keep it running.
+	DenyRestartPolicy = "restart_policy"
 )
 
 // parseBool reads a boolean label or annotation the one way idemcp reads
@@ -212,6 +221,13 @@ func Inject(pod *corev1.Pod, p *v1alpha1.IdempotencyPolicy, policyHash string, c
 			return err
 		}
 		native = b
+	}
+	if rp := pod.Spec.RestartPolicy; !native && rp != "" && rp != corev1.RestartPolicyAlways {
+		// A plain container that never exits keeps a Job's pod from ever
+		// completing; only a native sidecar is stopped when the main
+		// containers end.
+		return refuse(DenyRestartPolicy, "the pod's restartPolicy is %s (a Job's pod, or one meant to complete), and %s: \"false\" makes the idemcp sidecar a plain container, which never exits, so the pod would never complete: remove the annotation to get a native sidecar (Kubernetes 1.29 or later), which stops when the pod's containers end, or remove the label %s from pods that are meant to complete",
+			rp, AnnotationNativeSidecar, LabelInject)
 	}
 	snapshot, err := policySnapshot(p)
 	if err != nil {
@@ -379,35 +395,25 @@ func sidecarContainer(p *v1alpha1.IdempotencyPolicy, cfg Config, plan *portPlan,
 		{Name: EnvUpstreamDialIPs, ValueFrom: &corev1.EnvVarSource{FieldRef: &corev1.ObjectFieldSelector{FieldPath: "status.podIPs"}}},
 	}
 	if r := p.Spec.Store.Redis; p.Spec.Store.Type == v1alpha1.StoreRedis && r != nil {
-		var ref *corev1.SecretKeySelector
-		switch {
-		case r.Managed != nil:
+		if r.Managed != nil {
 			args = append(args, "--redis-addr="+fmt.Sprintf("%s-redis.%s.svc:6379", p.Name, p.Namespace))
-			ref = &corev1.SecretKeySelector{LocalObjectReference: corev1.LocalObjectReference{Name: p.Name + "-redis"}, Key: "password"}
-		case r.External != nil && r.External.PasswordSecretRef != nil:
-			ref = &corev1.SecretKeySelector{LocalObjectReference: corev1.LocalObjectReference{Name: r.External.PasswordSecretRef.Name}, Key: r.External.PasswordSecretRef.Key}
 		}
 		// The policy's own key space: every workload of the policy shares
 		// it (a sidecar run by hand would add its upstream to it).
 		env = append(env, corev1.EnvVar{Name: "IDEMCP_REDIS_KEY_PREFIX", Value: policy.RedisKeyPrefix(p.Namespace, p.Name)})
-		if ref != nil {
-			// Secrets never travel in the policy: the kubelet resolves this.
-			env = append(env, corev1.EnvVar{Name: "IDEMCP_REDIS_PASSWORD", ValueFrom: &corev1.EnvVarSource{SecretKeyRef: ref}})
-		}
 	}
 	if pg := p.Spec.Store.Postgres; p.Spec.Store.Type == v1alpha1.StorePostgres && pg != nil {
-		ref := &corev1.SecretKeySelector{LocalObjectReference: corev1.LocalObjectReference{Name: pg.URLSecretRef.Name}, Key: pg.URLSecretRef.Key}
-		env = append(env,
-			corev1.EnvVar{Name: "IDEMCP_POSTGRES_KEY_PREFIX", Value: policy.RedisKeyPrefix(p.Namespace, p.Name)},
-			corev1.EnvVar{Name: "IDEMCP_POSTGRES_URL", ValueFrom: &corev1.EnvVarSource{SecretKeyRef: ref}})
+		env = append(env, corev1.EnvVar{Name: "IDEMCP_POSTGRES_KEY_PREFIX", Value: policy.RedisKeyPrefix(p.Namespace, p.Name)})
 	}
-	if shared := (p.Spec.Store.Type == v1alpha1.StoreRedis && p.Spec.Store.Redis != nil) ||
-		(p.Spec.Store.Type == v1alpha1.StorePostgres && p.Spec.Store.Postgres != nil); shared {
-		// The keys that seal stored results, from the Secret the controller
-		// keeps (controllers.SealName, key controllers.SealKeysKey). Read at
-		// start: a rotation reaches the sidecar when its pod restarts.
-		ref := &corev1.SecretKeySelector{LocalObjectReference: corev1.LocalObjectReference{Name: p.Name + "-seal"}, Key: "keys"}
-		env = append(env, corev1.EnvVar{Name: "IDEMCP_SEAL_KEYS", ValueFrom: &corev1.EnvVarSource{SecretKeyRef: ref}})
+	// Secrets never travel in the policy: the kubelet resolves these. They
+	// are exactly the ones the webhook checked (credentials.Refs): the
+	// Redis password, the PostgreSQL URL, and the keys that seal stored
+	// results (read at start: a rotation reaches the sidecar when its pod
+	// restarts).
+	for _, ref := range credentials.Refs(p) {
+		env = append(env, corev1.EnvVar{Name: ref.Env, ValueFrom: &corev1.EnvVarSource{SecretKeyRef: &corev1.SecretKeySelector{
+			LocalObjectReference: corev1.LocalObjectReference{Name: ref.Name}, Key: ref.Key,
+		}}})
 	}
 	if cfg.PolicyEndpoint != "" {
 		env = append(env, corev1.EnvVar{Name: "IDEMCP_POLICY_ENDPOINT", Value: cfg.PolicyEndpoint})

@@ -476,7 +476,7 @@ func TestAutomountFalseGetsOnlyTheSidecarToken(t *testing.T) {
 			return err
 		}
 		for _, e := range list.Items {
-			if e.Regarding.Kind == "ReplicaSet" && e.Regarding.Name == "mcp-5d8f" && e.Reason == "IdemcpTokenMounted" && strings.Contains(e.Note, "Pod mcp-<generated>") {
+			if e.Regarding.Kind == "ReplicaSet" && e.Regarding.Name == "mcp-5d8f" && e.Reason == "IdemcpTokenMounted" && strings.Contains(e.Note, "A new pod of ReplicaSet mcp-5d8f: automountServiceAccountToken is false") {
 				return nil
 			}
 		}

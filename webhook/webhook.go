@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"strings"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -19,6 +20,8 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/webhook/admission"
 
 	"github.com/idemcp/idemcp/api/v1alpha1"
+	"github.com/idemcp/idemcp/internal/bounded"
+	"github.com/idemcp/idemcp/internal/credentials"
 	"github.com/idemcp/idemcp/internal/policy"
 )
 
@@ -95,7 +98,7 @@ type call struct {
 
 func (c call) event(regarding runtime.Object, eventtype, reason, note string, args ...any) {
 	if !c.dryRun {
-		c.recorder.Eventf(regarding, nil, eventtype, reason, "Inject", note, args...)
+		c.recorder.Eventf(regarding, nil, eventtype, reason, "Inject", "%s", bounded.Note(fmt.Sprintf(note, args...)))
 	}
 }
 
@@ -137,11 +140,8 @@ func (i *Injector) Decide(ctx context.Context, pod *corev1.Pod) (skipped string,
 		}
 		c.dryRun = req.DryRun != nil && *req.DryRun
 	}
-	name := pod.Name
-	if name == "" {
-		name = pod.GenerateName + "<generated>"
-	}
-	logger := log.FromContext(ctx).WithValues("pod", ns+"/"+name)
+	name := describePod(pod)
+	logger := log.FromContext(ctx).WithValues("namespace", ns, "pod", name)
 	if ns == i.ManagerNamespace {
 		return c.skip(SkipManagerNamespace), nil
 	}
@@ -168,7 +168,7 @@ func (i *Injector) Decide(ctx context.Context, pod *corev1.Pod) (skipped string,
 	if pod.Spec.HostNetwork {
 		logger.Info("Not injecting a hostNetwork pod: the sidecar's ports would be the node's")
 		if err == nil {
-			c.event(&p, corev1.EventTypeWarning, "HostNetworkSkipped", "Pod %s uses hostNetwork and was admitted without the idemcp sidecar", name)
+			c.event(&p, corev1.EventTypeWarning, "HostNetworkSkipped", "%s uses hostNetwork and was admitted without the idemcp sidecar", capitalize(name))
 		}
 		return c.skip(SkipHostNetwork), nil
 	}
@@ -206,11 +206,14 @@ func (i *Injector) Decide(ctx context.Context, pod *corev1.Pod) (skipped string,
 		// The bundle of today: the CAs the policy stream may serve from.
 		ca, caErr := i.PolicyCA(ctx)
 		if caErr != nil {
-			return "", fmt.Errorf("idemcp cannot inject pod %s: reading the policy stream's CA: %w", name, caErr)
+			return "", fmt.Errorf("idemcp cannot inject %s: reading the policy stream's CA: %w", name, caErr)
 		}
 		cfg.PolicyCABundle = string(ca)
 	}
-	err = Inject(pod, &p, compiled.Hash, cfg)
+	err = i.checkSecrets(ctx, ns, &p)
+	if err == nil {
+		err = Inject(pod, &p, compiled.Hash, cfg)
+	}
 	if err == nil {
 		var ranges corev1.LimitRangeList
 		if err = i.Client.List(ctx, &ranges, client.InNamespace(ns)); err != nil {
@@ -219,24 +222,83 @@ func (i *Injector) Decide(ctx context.Context, pod *corev1.Pod) (skipped string,
 		err = applyLimitRanges(pod, ranges.Items)
 	}
 	if err != nil {
-		c.event(&p, corev1.EventTypeWarning, "InjectionRefused", "Pod %s: %v", name, err)
-		return "", c.deny(fmt.Errorf("idemcp cannot inject pod %s: %w", name, err))
+		c.event(&p, corev1.EventTypeWarning, "InjectionRefused", "%s: %v", capitalize(name), err)
+		return "", c.deny(fmt.Errorf("idemcp cannot inject %s: %w", name, err))
 	}
 	if !c.dryRun {
 		injections.Inc()
 	}
-	c.event(&p, corev1.EventTypeNormal, "Injected", "Injected the idemcp sidecar into pod %s", name)
+	c.event(&p, corev1.EventTypeNormal, "Injected", "Injected the idemcp sidecar into %s", name)
 	if pod.Spec.AutomountServiceAccountToken != nil && !*pod.Spec.AutomountServiceAccountToken {
 		// The policy stream authenticates the sidecar with a token for the
 		// audience idemcp only (the API server does not accept it), mounted
 		// into the sidecar alone: the app containers still get no token.
 		if regarding := eventTarget(pod, ns); regarding != nil {
 			c.event(regarding, corev1.EventTypeNormal, "IdemcpTokenMounted",
-				"Pod %s: automountServiceAccountToken is false; the idemcp sidecar alone gets a token of audience %s (not valid for the API server) for its policy stream", name, TokenAudience)
+				"%s: automountServiceAccountToken is false; the idemcp sidecar alone gets a token of audience %s (not valid for the API server) for its policy stream", capitalize(name), TokenAudience)
 		}
 	}
 	logger.V(1).Info("Injected the sidecar", "policy", policyName, "policyHash", compiled.Hash)
 	return "", nil
+}
+
+// describePod names a pod under admission for a person: "pod mcp-0", or,
+// for a pod whose name is generated only after admission, the workload
+// that creates it ("a new pod of ReplicaSet mcp-5d8f").
+func describePod(pod *corev1.Pod) string {
+	switch owner := metav1.GetControllerOf(pod); {
+	case pod.Name != "":
+		return "pod " + pod.Name
+	case owner != nil:
+		return fmt.Sprintf("a new pod of %s %s", owner.Kind, owner.Name)
+	case pod.GenerateName != "":
+		return fmt.Sprintf("a new pod (generateName %s)", pod.GenerateName)
+	}
+	return "a new pod"
+}
+
+func capitalize(s string) string {
+	if s == "" {
+		return s
+	}
+	return strings.ToUpper(s[:1]) + s[1:]
+}
+
+// checkSecrets refuses a pod whose policy would give its sidecar a Secret
+// without the owner's consent (credentials.Check), or a key the Secret
+// does not have (the pod could never start). A Secret that does not exist
+// yet is not refused: the kubelet waits for it, and the policy's status
+// says SecretNotFound (a managed one is being made by the controller).
+func (i *Injector) checkSecrets(ctx context.Context, ns string, p *v1alpha1.IdempotencyPolicy) error {
+	reader := i.APIReader
+	if reader == nil {
+		reader = i.Client
+	}
+	for _, ref := range credentials.Refs(p) {
+		var secret corev1.Secret
+		err := reader.Get(ctx, client.ObjectKey{Namespace: ns, Name: ref.Name}, &secret)
+		switch {
+		case apierrors.IsNotFound(err):
+			continue
+		case err != nil:
+			return fmt.Errorf("reading Secret %s/%s (%s): %w", ns, ref.Name, ref.Field, err)
+		}
+		if err := credentials.Check(ref, &secret); err != nil {
+			return refuse(DenySecretNotLabelled, "IdempotencyPolicy %s/%s may not use this Secret: %v", ns, p.Name, err)
+		}
+		if _, ok := secret.Data[ref.Key]; !ok {
+			fix := fmt.Sprintf("add the key to the Secret, or change %s", ref.Field)
+			switch {
+			case ref.Managed && ref.Key == credentials.RedisPasswordKey:
+				fix = "the idemcp controller puts it back within seconds, and the pod's workload retries; if this stays, see the policy's StoreReady condition (kubectl -n " + ns + " describe idpol " + p.Name + ")"
+			case ref.Managed:
+				fix = "see the policy's StoreReady condition (kubectl -n " + ns + " describe idpol " + p.Name + "): delete the Secret and idemcp makes a new one (results stored under the old keys then run again once)"
+			}
+			return refuse(DenySecretKeyMissing, "Secret %s/%s (%s) has no key %q, which the sidecar's %s needs: the pod could not start; %s",
+				ns, ref.Name, ref.Field, ref.Key, ref.Env, fix)
+		}
+	}
+	return nil
 }
 
 // eventTarget is what an Event about a pod under admission regards: the pod

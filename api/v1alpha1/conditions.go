@@ -59,8 +59,13 @@ const (
 	// new password was made; Redis restarts with it, and the pods that use
 	// the policy need a restart to get it.
 	ReasonRedisPasswordReset = "RedisPasswordReset"
-	// ReasonSecretNotLabelled: the Secret named by passwordSecretRef lacks
-	// the label idemcp.io/credentials: "true" that opts it in to idemcp.
+	// ReasonRedisPasswordChanged: the managed Redis's password was changed
+	// by hand in its Secret; Redis restarts with it, and the message names
+	// the pods that still hold the old one and how to restart them.
+	ReasonRedisPasswordChanged = "RedisPasswordChanged"
+	// ReasonSecretNotLabelled: a Secret the policy names (passwordSecretRef,
+	// urlSecretRef) lacks the label idemcp.io/credentials: "true" that opts
+	// it in to idemcp; the webhook refuses the policy's new pods meanwhile.
 	ReasonSecretNotLabelled = "SecretNotLabelled"
 	// ReasonStoreSharedByWorkloads: pods of more than one top-level
 	// workload use one Redis policy, so different MCP servers share one key
@@ -73,11 +78,20 @@ const (
 
 // Reasons of the SidecarsSynced condition, which the policy stream writes.
 const (
-	// ReasonAllSynced: every connected sidecar applied the current policyHash.
+	// ReasonAllSynced: every injected pod holds a stream and its sidecar
+	// applied the current policyHash.
 	ReasonAllSynced = "AllSynced"
-	// ReasonNoSidecars: no sidecar holds a stream for this policy; nothing
-	// is out of date.
-	ReasonNoSidecars = "NoSidecarsConnected"
+	// ReasonNoInjectedPods: no running pod uses the policy; nothing to sync.
+	ReasonNoInjectedPods = "NoInjectedPods"
+	// ReasonSidecarsNotConnected: some injected pods hold no policy
+	// stream, so what they enforce is not known (False); the message
+	// names them.
+	ReasonSidecarsNotConnected = "SidecarsNotConnected"
+	// ReasonSyncNotObserved: the manager runs without the policy stream
+	// (--policy-stream-bind-address=0), so no sidecar reports what it
+	// applied (Unknown); each enforces the snapshot its pod started with.
+	// Ready is Unknown too.
+	ReasonSyncNotObserved = "SyncNotObserved"
 	// ReasonSyncing: some connected sidecars have not acknowledged the
 	// current policyHash yet.
 	ReasonSyncing = "Syncing"

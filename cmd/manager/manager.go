@@ -317,6 +317,7 @@ func New(cfg *rest.Config, o Options) (ctrl.Manager, error) {
 	if err != nil {
 		return nil, fmt.Errorf("creating the manager: %w", err)
 	}
+	streamOn := o.PolicyStreamAddr != "0" && o.PolicyStreamAddr != ""
 	if err := (&controllers.IdempotencyPolicyReconciler{
 		Client:        mgr.GetClient(),
 		APIReader:     mgr.GetAPIReader(),
@@ -324,6 +325,9 @@ func New(cfg *rest.Config, o Options) (ctrl.Manager, error) {
 		Recorder:      mgr.GetEventRecorder("idemcp"),
 		RedisImage:    o.RedisImage,
 		SecretRecheck: o.SecretRecheck,
+		// Without the stream nobody hears the sidecars: the status says so
+		// instead of claiming they are synced.
+		SidecarsUnobserved: !streamOn,
 	}).SetupWithManager(mgr); err != nil {
 		return nil, fmt.Errorf("setting up the IdempotencyPolicy controller: %w", err)
 	}
@@ -338,7 +342,6 @@ func New(cfg *rest.Config, o Options) (ctrl.Manager, error) {
 		o.Sidecar.Image = image
 	}
 	policyCA := o.PolicyStreamCA
-	streamOn := o.PolicyStreamAddr != "0" && o.PolicyStreamAddr != ""
 	if streamOn {
 		port := policystream.DefaultPort
 		if _, p, err := net.SplitHostPort(o.PolicyStreamAddr); err == nil {

@@ -20,6 +20,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/log"
 
 	"github.com/idemcp/idemcp/api/v1alpha1"
+	"github.com/idemcp/idemcp/internal/bounded"
 )
 
 // tally is what the streams of one policy say, at one moment.
@@ -31,11 +32,19 @@ type tally struct {
 	RestartPods     []string
 	Rejected        int32
 	RejectReason    string
+	// Unconnected are the injected pods that hold no stream.
+	Unconnected []string
 }
+
+// maxRejectReason bounds the reason a sidecar gave for a NACK.
+const maxRejectReason = 512
 
 // SidecarsStatus computes status.sidecars and the SidecarsSynced condition
 // from the counts: a pure function, so every reason is tested without a
-// cluster. workloads are what to restart for RestartRequired.
+// cluster. workloads are what to restart for RestartRequired. It is True
+// only when every injected pod holds a stream and acknowledged the
+// current hash (or no pod uses the policy): a pod without a stream may
+// enforce any older policy.
 func SidecarsStatus(namespace string, injected int32, t tally, workloads []string) (v1alpha1.SidecarsStatus, metav1.Condition) {
 	st := v1alpha1.SidecarsStatus{
 		Injected: injected, Connected: t.Connected, Synced: t.Synced, RestartRequired: t.RestartRequired,
@@ -43,27 +52,32 @@ func SidecarsStatus(namespace string, injected int32, t tally, workloads []strin
 	}
 	c := metav1.Condition{Type: v1alpha1.ConditionSidecarsSynced}
 	unconnected := ""
-	if injected > t.Connected {
-		unconnected = fmt.Sprintf("; %d injected pods hold no stream (starting, or unable to reach the manager) and enforce the policy they last had", injected-t.Connected)
+	if n := len(t.Unconnected); n > 0 {
+		unconnected = fmt.Sprintf("; %s hold no policy stream (starting, or unable to reach the manager: see kubectl -n %s logs POD -c idemcp-proxy), so what they enforce is not known: the policy they started with or last had",
+			bounded.Count(n, "injected pod", "injected pods", t.Unconnected), namespace)
 	}
 	switch {
-	case t.Connected == 0:
-		c.Status, c.Reason = metav1.ConditionTrue, v1alpha1.ReasonNoSidecars
-		c.Message = "no sidecar holds a policy stream" + unconnected
+	case injected == 0 && t.Connected == 0:
+		c.Status, c.Reason = metav1.ConditionTrue, v1alpha1.ReasonNoInjectedPods
+		c.Message = "no running pod uses this policy: nothing to sync"
 	case t.RestartRequired > 0:
 		c.Status, c.Reason = metav1.ConditionFalse, v1alpha1.ReasonRestartRequired
 		c.Message = fmt.Sprintf("%d pods applied policy %s but keep the store they started with, because a running sidecar cannot switch stores; until they restart, they and new pods use different stores and a retry that crosses them runs again. Restart them: %s",
 			t.RestartRequired, t.Version, restartCommand(namespace, workloads))
 	case t.Rejected > 0:
 		c.Status, c.Reason = metav1.ConditionFalse, v1alpha1.ReasonPolicyRejected
-		c.Message = fmt.Sprintf("%d sidecars rejected policy %s and keep enforcing their last good policy: %s", t.Rejected, t.Version, t.RejectReason)
+		c.Message = fmt.Sprintf("%d sidecars rejected policy %s and keep enforcing their last good policy: %s", t.Rejected, t.Version, bounded.Cut(t.RejectReason, maxRejectReason))
 	case t.Synced < t.Connected:
 		c.Status, c.Reason = metav1.ConditionFalse, v1alpha1.ReasonSyncing
-		c.Message = fmt.Sprintf("%d of %d connected sidecars applied policy %s", t.Synced, t.Connected, t.Version)
+		c.Message = fmt.Sprintf("%d of %d connected sidecars applied policy %s%s", t.Synced, t.Connected, t.Version, unconnected)
+	case len(t.Unconnected) > 0:
+		c.Status, c.Reason = metav1.ConditionFalse, v1alpha1.ReasonSidecarsNotConnected
+		c.Message = fmt.Sprintf("%d of %d connected sidecars applied policy %s%s", t.Synced, t.Connected, t.Version, unconnected)
 	default:
 		c.Status, c.Reason = metav1.ConditionTrue, v1alpha1.ReasonAllSynced
-		c.Message = fmt.Sprintf("%d of %d connected sidecars applied policy %s%s", t.Synced, t.Connected, t.Version, unconnected)
+		c.Message = fmt.Sprintf("%d of %d connected sidecars applied policy %s, and every injected pod is connected", t.Synced, t.Connected, t.Version)
 	}
+	c.Message = bounded.Message(c.Message)
 	return st, c
 }
 
@@ -72,12 +86,19 @@ func restartCommand(namespace string, workloads []string) string {
 		return "delete their pods"
 	}
 	cmds := make([]string, 0, len(workloads))
+	more := 0
+	if len(workloads) > bounded.Names {
+		workloads, more = workloads[:bounded.Names], len(workloads)-bounded.Names
+	}
 	for _, w := range workloads {
 		if strings.HasPrefix(w, "pod/") {
 			cmds = append(cmds, fmt.Sprintf("kubectl -n %s delete %s", namespace, w))
 			continue
 		}
 		cmds = append(cmds, fmt.Sprintf("kubectl -n %s rollout restart %s", namespace, w))
+	}
+	if more > 0 {
+		cmds = append(cmds, fmt.Sprintf("and %d more workloads", more))
 	}
 	return strings.Join(cmds, "; ")
 }
@@ -112,6 +133,7 @@ func (s *Server) flush(ctx context.Context) {
 		generation int64
 		t          tally
 		restart    map[string]bool
+		connected  map[string]bool
 	}
 	var jobs []job
 	s.mu.Lock()
@@ -120,9 +142,10 @@ func (s *Server) flush(ctx context.Context) {
 			continue
 		}
 		st.dirty = false
-		j := job{key: key, generation: st.generation, t: tally{Version: st.snap.version}, restart: map[string]bool{}}
+		j := job{key: key, generation: st.generation, t: tally{Version: st.snap.version}, restart: map[string]bool{}, connected: map[string]bool{}}
 		for c := range st.streams {
 			j.t.Connected++
+			j.connected[c.pod] = true
 			rep := c.report
 			switch {
 			case rep.Version == st.snap.version && rep.RestartRequired != "":
@@ -160,6 +183,9 @@ func (s *Server) flush(ctx context.Context) {
 				continue
 			}
 			injected++
+			if !j.connected[p.Name] {
+				j.t.Unconnected = append(j.t.Unconnected, p.Name)
+			}
 			if j.restart[p.Name] {
 				if w := workloadOf(p); !slices.Contains(workloads, w) {
 					workloads = append(workloads, w)
@@ -167,6 +193,7 @@ func (s *Server) flush(ctx context.Context) {
 			}
 		}
 		slices.Sort(workloads)
+		slices.Sort(j.t.Unconnected)
 		sidecars, cond := SidecarsStatus(j.key.Namespace, injected, j.t, workloads)
 		if err := s.writeStatus(ctx, j.key, j.generation, sidecars, cond); err != nil {
 			s.redo(j.key)

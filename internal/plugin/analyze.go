@@ -426,6 +426,8 @@ func (s *scope) checkPolicies(r *Report) {
 		}
 		if sc := meta.FindStatusCondition(p.Status.Conditions, v1alpha1.ConditionSidecarsSynced); sc != nil && sc.Status == metav1.ConditionFalse {
 			r.add(CodePolicyNotSynced, SeverityWarning, ref, "the sidecars are not synced (%s): %s", sc.Reason, sc.Message)
+		} else if sc != nil && sc.Status == metav1.ConditionUnknown {
+			r.add(CodePolicyNotSynced, SeverityWarning, ref, "whether the sidecars enforce this policy is not observed (%s): %s", sc.Reason, sc.Message)
 		} else if sd := p.Status.Sidecars; sd != nil && sd.Injected > sd.Connected {
 			r.add(CodePolicyNotSynced, SeverityWarning, ref, "%d of %d injected pods hold no policy stream and enforce the policy they last had; kubectl idemcp status %s -n %s shows each", sd.Injected-sd.Connected, sd.Injected, p.Name, p.Namespace)
 		}

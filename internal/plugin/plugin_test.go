@@ -392,7 +392,7 @@ func TestAnalyzeFindings(t *testing.T) {
 		p := readyPolicy(t, ns, "payments", memorySpec(), 0)
 		p.Status.Conditions = []metav1.Condition{
 			condition(v1alpha1.ConditionStoreReady, metav1.ConditionFalse, v1alpha1.ReasonSecretNotFound, "Secret idm005/redis-auth not found: create it", p.Generation),
-			condition(v1alpha1.ConditionSidecarsSynced, metav1.ConditionTrue, v1alpha1.ReasonNoSidecars, "none", p.Generation),
+			condition(v1alpha1.ConditionSidecarsSynced, metav1.ConditionTrue, v1alpha1.ReasonNoInjectedPods, "none", p.Generation),
 			condition(v1alpha1.ConditionReady, metav1.ConditionFalse, v1alpha1.ReasonStoreNotReady, "the store is not ready", p.Generation),
 		}
 		if err := k8s.Status().Update(ctx, p); err != nil {
