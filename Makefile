@@ -66,9 +66,9 @@ verify-gen: manifests generate installer-files ## Fail if generated files or go.
 	@git diff --exit-code -- api config dist go.mod go.sum || { echo "generated files are stale: run 'make manifests generate' and 'go mod tidy' (make verify-gen does all of it), and commit"; exit 1; }
 
 .PHONY: test-deps
-test-deps: ## Install what the tests need that Go does not fetch (npm packages of the TypeScript interop client).
-	@if [ -f $(TS_INTEROP)/package-lock.json ] && [ ! -d $(TS_INTEROP)/node_modules ]; then \
-		npm ci --prefix $(TS_INTEROP) --no-audit --no-fund; fi
+test-deps: ## Install what the tests need that Go does not fetch (the npm packages of test/interop/ts: the TypeScript SDK client and the reference MCP servers), again whenever package-lock.json changed.
+	@if [ -f $(TS_INTEROP)/package-lock.json ] && ! cmp -s $(TS_INTEROP)/package-lock.json $(TS_INTEROP)/node_modules/.idemcp-installed-lock; then \
+		npm ci --prefix $(TS_INTEROP) --no-audit --no-fund && cp $(TS_INTEROP)/package-lock.json $(TS_INTEROP)/node_modules/.idemcp-installed-lock; fi
 
 .PHONY: envtest
 envtest: ## Build (once, cached outside the checkout) the kube-apiserver, etcd and kubectl the controller tests run.
