@@ -298,7 +298,7 @@ func (e *Engine) Execute(ctx context.Context, p *Plan, fwd Forward) (Outcome, er
 		Fingerprint: p.Fingerprint,
 		Owner:       owner,
 		Lease:       p.Policy.LeaseDuration,
-		Retention:   max(p.keepFor(), p.Policy.LeaseDuration),
+		Retention:   p.pendingRetention(),
 		TakeOver:    p.Rule.OnAbandoned != v1alpha1.AbandonedError,
 		Tenant:      p.Tenant,
 	}

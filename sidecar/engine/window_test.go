@@ -3,11 +3,13 @@ package engine
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/idemcp/idemcp/sidecar/mcpmsg"
 	"github.com/idemcp/idemcp/sidecar/store"
 )
 
@@ -158,5 +160,84 @@ func TestRetryWindowNeverCutsARunningCall(t *testing.T) {
 	}
 	if out := <-dup; out.Kind != Replayed || ran.Load() != 1 {
 		t.Fatalf("duplicate of a running call past its window: %v, %d runs; want a replay and 1 run", out.Kind, ran.Load())
+	}
+}
+
+type ownerStore struct {
+	*store.Memory
+	mu    sync.Mutex
+	owner string
+}
+
+func (s *ownerStore) Reserve(ctx context.Context, c store.Claim) (store.Reservation, error) {
+	r, err := s.Memory.Reserve(ctx, c)
+	if err == nil && r.State == store.Won {
+		s.mu.Lock()
+		if s.owner == "" {
+			s.owner = c.Owner
+		}
+		s.mu.Unlock()
+	}
+	return r, err
+}
+
+// abandonedLongCall runs a derived-key call under onAbandoned: Error for 3h
+// (renewed, its sidecar alive), lets its sidecar die, and retries once the
+// lease is over; it returns how often the tool ran.
+func abandonedLongCall(t *testing.T, window string) int32 {
+	clock := &fakeClock{now: time.Unix(1_000_000, 0)}
+	mem := store.NewMemory(0)
+	mem.SetClock(clock.Now)
+	st := &ownerStore{Memory: mem}
+	e := New(Options{Policy: mustPolicy(t, "spec: {defaultMode: Deduplicate, onAbandoned: Error, leaseDuration: 1h, retryWindow: "+window+"}"), Store: st})
+	tc, _ := ParseToolCall(json.RawMessage(`{"name":"transfer","arguments":{"amount":100}}`))
+	p, _ := e.Plan(tc, alice)
+	var ran atomic.Int32
+	started := make(chan struct{})
+	never := make(chan struct{})
+	go func() {
+		_, _ = e.Execute(context.Background(), p, func(context.Context) (Upstream, error) {
+			ran.Add(1)
+			close(started)
+			<-never
+			return Upstream{}, context.Canceled
+		})
+	}()
+	<-started
+	st.mu.Lock()
+	owner := st.owner
+	st.mu.Unlock()
+	// The call runs 3h, renewed every 20m (the sidecar alive).
+	for i := 0; i < 9; i++ {
+		clock.Add(20 * time.Minute)
+		if err := mem.Renew(context.Background(), p.Key, owner, time.Hour); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// The sidecar dies now: no more renewals. An agent retries once the
+	// lease has run out.
+	clock.Add(time.Hour + time.Second)
+	p2, _ := e.Plan(tc, alice)
+	_, err := e.Execute(context.Background(), p2, func(context.Context) (Upstream, error) {
+		ran.Add(1)
+		return Upstream{Response: []byte(`{"jsonrpc":"2.0","id":2,"result":{}}`), Status: 200}, nil
+	})
+	var ee *Error
+	if ran.Load() == 1 && (!errors.As(err, &ee) || ee.Code != mcpmsg.CodeOutcomeUnknown) {
+		t.Errorf("window %s: the retry got %v, want outcome unknown (%d)", window, err, mcpmsg.CodeOutcomeUnknown)
+	}
+	return ran.Load()
+}
+
+// TestAbandonedCallLongerThanItsWindowIsOutcomeUnknown: under onAbandoned:
+// Error, a derived-key call that ran longer than its retryWindow and whose
+// sidecar then died answers "outcome unknown" to the next retry; it does
+// not run again. Its pending record was kept for the window from its start,
+// so it lapsed with the lease and the retry won the key (ran twice before).
+func TestAbandonedCallLongerThanItsWindowIsOutcomeUnknown(t *testing.T) {
+	for _, window := range []string{"24h", "1m"} {
+		if n := abandonedLongCall(t, window); n != 1 {
+			t.Errorf("retryWindow %s, onAbandoned: Error: the call ran %d times", window, n)
+		}
 	}
 }
