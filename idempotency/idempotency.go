@@ -94,7 +94,7 @@ func NewRedisStore(o RedisOptions, opts ...StoreOption) (Store, error) {
 	if err != nil {
 		return nil, err
 	}
-	return sealShared(st, "Redis", o.Prefix, opts)
+	return sealShared(st, "Redis", opts)
 }
 
 // NewPostgresStore returns a store in PostgreSQL, shared by every process
@@ -107,7 +107,7 @@ func NewPostgresStore(o PostgresOptions, opts ...StoreOption) (Store, error) {
 	if err != nil {
 		return nil, err
 	}
-	return sealShared(st, "PostgreSQL", o.Prefix, opts)
+	return sealShared(st, "PostgreSQL", opts)
 }
 
 // StoreOption configures a shared store (NewRedisStore, NewPostgresStore).
@@ -121,7 +121,8 @@ type storeConfig struct {
 }
 
 // SealKeys seals every result the store keeps with AES-256-GCM, bound to
-// its key and to the store's Prefix: a record that fails to open (altered,
+// its key and to the store's key prefix (an empty Prefix is the store's
+// DefaultPrefix, so "" and "idemcp:" share records): a record that fails to open (altered,
 // planted, copied from another key, or sealed under a key not given here)
 // counts as absent, and fn runs as for a new key, once. keys[0] seals and
 // every key opens: after a rotation, keep the previous key until the
@@ -153,9 +154,20 @@ func StoreLogger(l *slog.Logger) StoreOption {
 // SealKeyBytes is the length of a seal key (AES-256).
 const SealKeyBytes = store.SealKeyBytes
 
+// prefixedStore is a shared store that says which key prefix it uses.
+type prefixedStore interface {
+	store.Store
+	KeyPrefix() string
+}
+
 // sealShared wraps st so that its results are sealed, or warns that they
 // are not. It closes st when the options are wrong.
-func sealShared(st store.Store, kind, prefix string, opts []StoreOption) (Store, error) {
+//
+// Records are bound to the prefix st actually uses (an empty
+// Options.Prefix is DefaultPrefix), as the sidecar binds them: processes
+// that share records must open each other's, however they spell it.
+func sealShared(st prefixedStore, kind string, opts []StoreOption) (Store, error) {
+	prefix := st.KeyPrefix()
 	var c storeConfig
 	for _, o := range opts {
 		o(&c)
