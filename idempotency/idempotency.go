@@ -343,7 +343,10 @@ func hash(parts ...string) string {
 // decides what the next call gets (fn runs again, or ErrOutcomeUnknown).
 // It matches ErrOutcomeUnknown with errors.Is.
 type PanicError struct {
-	// Value is what fn panicked with.
+	// Value is what fn panicked with: nil when fn panicked with nil
+	// (GODEBUG=panicnil=1) or ended its goroutine (runtime.Goexit), and
+	// for the calls that waited in process on a call whose Store
+	// panicked (that panic goes on in the call that met it).
 	Value any
 	// Stack is the stack of the panicking goroutine.
 	Stack []byte
@@ -422,16 +425,27 @@ func (g *Group) Do(ctx context.Context, key, fingerprint string, fn func(ctx con
 
 // lead runs the store's side of a call for this process, and hands its
 // outcome to the calls of this process that wait for it.
+//
+// A panic on this goroutine (in the Store's own methods: fn's panics are
+// recovered where fn runs) goes on to the caller, as any panic in its own
+// code would; the calls waiting for this one get a *PanicError.
 func (g *Group) lead(ctx context.Context, f *flight, key, skey, sfp string, fn func(context.Context) ([]byte, error)) (value []byte, replayed bool, err error) {
+	returned := false
 	defer func() {
 		// Whatever happened, the key is free in this process again.
 		f.value, f.err = value, err
+		if !returned {
+			// Panicking (or exiting the goroutine): the waiters must not
+			// take the zero result for one.
+			f.value, f.err = nil, &PanicError{Stack: debug.Stack()}
+		}
 		g.mu.Lock()
 		delete(g.flights, skey)
 		g.mu.Unlock()
 		close(f.done)
 	}()
 	value, replayed, err = g.claim(ctx, skey, sfp, fn)
+	returned = true
 	if errors.Is(err, ErrConflict) || errors.Is(err, ErrInFlight) || errors.Is(err, ErrOutcomeUnknown) {
 		err = fmt.Errorf("key %q: %w", key, err)
 	}
@@ -473,7 +487,16 @@ func (g *Group) claim(ctx context.Context, key, fp string, fn func(context.Conte
 		if ctx.Err() != nil {
 			// The caller gave up before fn started: nothing ran, so the
 			// next call must find the key free.
-			_ = g.claims.Release(context.WithoutCancel(ctx), key, owner, func() {})
+			// It is released in the background, retried as a settling
+			// write is (Drain waits for it), so that a failing store does
+			// not hold the caller that went away.
+			done := g.claims.Track()
+			g.claims.Go("release", func() {
+				defer done()
+				if err := g.claims.Release(context.WithoutCancel(ctx), key, owner, func() {}); err != nil {
+					g.writeFailed("release", key, err)
+				}
+			})
 			return nil, false, ctx.Err()
 		}
 		if r.TookOver {
@@ -519,15 +542,21 @@ func (g *Group) run(ctx context.Context, key, owner string, fn func(context.Cont
 	return value, false, nil
 }
 
-// callUnclaimed runs fn with no claim (FailOpen), returning a panic as a
-// *PanicError as a claimed call does.
+// callUnclaimed runs fn with no claim (FailOpen), on a context ctx's
+// cancel does not reach as a claimed call's, and returns a panic as a
+// *PanicError as a claimed call does (panic(nil) under
+// GODEBUG=panicnil=1 too). Do waits for fn here: there is no claim to
+// keep its result for a retry.
 func callUnclaimed(ctx context.Context, fn func(context.Context) ([]byte, error)) (v []byte, err error) {
+	returned := false
 	defer func() {
-		if p := recover(); p != nil {
+		if p := recover(); p != nil || !returned {
 			v, err = nil, &PanicError{Value: p, Stack: debug.Stack()}
 		}
 	}()
-	return fn(ctx)
+	v, err = fn(context.WithoutCancel(ctx))
+	returned = true
+	return v, err
 }
 
 func (g *Group) writeFailed(op, key string, err error) {
