@@ -24,9 +24,14 @@
 //     retried at once with backoff, and one that hangs is given up after a
 //     third of the lease, so a short store outage does not let another
 //     process run fn beside it. Storing the result is retried for about
-//     16 s before the claim is left to lapse.
-//   - A panic in fn is returned as a *PanicError: its outcome is unknown,
-//     the claim lapses with its lease, then AbandonedError decides.
+//     16 s of pauses before the claim is left to lapse; with a store whose
+//     every attempt hangs until its 5 s timeout, about 56 s in all.
+//   - A panic in fn is returned wrapping a *PanicError (get it with
+//     errors.As; it matches ErrOutcomeUnknown): its outcome is unknown,
+//     the claim lapses with its lease, then AbandonedError decides. The
+//     calls of this process that waited for the panicking call get its
+//     *PanicError too; AbandonedError applies to the calls made after it
+//     returned.
 //   - Records in a shared store are sealed when the store is opened with
 //     seal keys (SealKeys, SealKeyring): whoever can write to Redis or
 //     PostgreSQL cannot plant a result. Without keys results are stored
@@ -141,6 +146,10 @@ func SealKeys(keys ...[]byte) StoreOption {
 // idemcp sidecar's seal Secret (IDEMCP_SEAL_KEYS): base64 keys separated
 // by commas, spaces or newlines, the current key first; lines starting
 // with # are comments. Generate a key with: head -c 32 /dev/urandom | base64
+//
+// Text with no key in it (an unset environment variable, say) is an
+// error: the store fails to open with "no seal key given" rather than
+// store results unsealed. To run unsealed on purpose, pass no SealKeyring.
 func SealKeyring(text string) StoreOption {
 	return func(c *storeConfig) { c.keyText = append(c.keyText, text) }
 }
@@ -226,7 +235,8 @@ var (
 	ErrStoreUnavailable = store.ErrUnavailable
 )
 
-// Options tune a Group. Zero values take the defaults.
+// Options tune a Group. Zero values take the defaults; a negative TTL or
+// Lease is an error (see Validate), not the default.
 type Options struct {
 	// TTL is how long a result is kept and replayed (default 24h, at least
 	// MinTTL).
@@ -242,7 +252,9 @@ type Options struct {
 	// when the first call's process died mid-call (onAbandoned: Error).
 	AbandonedError bool
 	// FailOpen runs fn without deduplication when the store cannot be
-	// reached, instead of failing with ErrStoreUnavailable.
+	// reached, instead of failing with ErrStoreUnavailable. fn still runs
+	// detached from the caller's cancel, but Do waits for it: with no
+	// claim there is nothing to keep its result in for a retry.
 	FailOpen bool
 	// Logger gets the Group's warnings: renewals that fail, results that
 	// could not be kept, claims taken over, panics in fn (nil:
@@ -371,7 +383,10 @@ func (e *PanicError) Unwrap() error { return ErrOutcomeUnknown }
 // fn's result is still kept for the retry (Drain waits for such calls).
 //
 // fn's error is returned as is and nothing is kept, so the next call runs
-// fn again. A panic in fn is returned as a *PanicError. Do's own errors
+// fn again. A panic in fn is returned wrapping a *PanicError (use
+// errors.As), as are the calls of this process that waited for it. A panic
+// in the Store's own methods goes on in the call that met it, and the
+// calls waiting for that one get a *PanicError. Do's own errors
 // wrap ErrConflict, ErrInFlight, ErrOutcomeUnknown or ErrStoreUnavailable,
 // or are ctx's.
 func (g *Group) Do(ctx context.Context, key, fingerprint string, fn func(ctx context.Context) ([]byte, error)) (value []byte, replayed bool, err error) {

@@ -126,6 +126,7 @@ func TestBadSealKeys(t *testing.T) {
 		{"no key", []idempotency.StoreOption{idempotency.SealKeys()}, "no key was given to SealKeys"},
 		{"not base64", []idempotency.StoreOption{idempotency.SealKeyring("not base64!")}, "is not base64"},
 		{"empty keyring", []idempotency.StoreOption{idempotency.SealKeyring("# nothing\n")}, "no seal key given"},
+		{"unset variable", []idempotency.StoreOption{idempotency.SealKeyring("")}, "no seal key given"},
 		{"both ways", []idempotency.StoreOption{idempotency.SealKeys(make([]byte, 32)), idempotency.SealKeyring(base64.StdEncoding.EncodeToString(make([]byte, 32)))}, "give the keys one way"},
 	} {
 		t.Run(tt.name, func(t *testing.T) {

@@ -316,7 +316,9 @@ func (p *Protocol) renew(ctx context.Context, h Held) (stop func()) {
 // SettleRetries bound how long a settling write is retried into a store
 // that fails: a lost Complete would let the lease run out and a retry run
 // the call again, so a blip (or a Sentinel failover) is waited out while
-// the lease is renewed. Each attempt has SettleAttemptTimeout.
+// the lease is renewed. Each attempt has SettleAttemptTimeout: the pauses
+// add up to about 16 s, and with a store whose every attempt hangs until
+// its timeout the retries last about 56 s in all.
 var SettleRetries = []time.Duration{50 * time.Millisecond, 200 * time.Millisecond, 500 * time.Millisecond, time.Second, 2 * time.Second, 4 * time.Second, 8 * time.Second}
 
 // SettleAttemptTimeout bounds one attempt of a settling write.
