@@ -502,16 +502,19 @@ func (g *Group) claim(ctx context.Context, key, fp string, fn func(context.Conte
 		if ctx.Err() != nil {
 			// The caller gave up before fn started: nothing ran, so the
 			// next call must find the key free.
-			// It is released in the background, retried as a settling
-			// write is (Drain waits for it), so that a failing store does
-			// not hold the caller that went away.
+			// The caller is answered once the first attempt to release is
+			// made (so that with a healthy store the key is free when Do
+			// returns); the retries a failing store needs go on in the
+			// background, and Drain waits for them.
+			tried := make(chan struct{})
 			done := g.claims.Track()
 			g.claims.Go("release", func() {
 				defer done()
-				if err := g.claims.Release(context.WithoutCancel(ctx), key, owner, func() {}); err != nil {
+				if err := g.claims.Release(context.WithoutCancel(ctx), key, owner, func() { close(tried) }); err != nil {
 					g.writeFailed("release", key, err)
 				}
 			})
+			<-tried
 			return nil, false, ctx.Err()
 		}
 		if r.TookOver {

@@ -298,9 +298,10 @@ func (s *failingRelease) Release(ctx context.Context, key, owner string) error {
 	return s.Store.Release(ctx, key, owner)
 }
 
-// A caller that goes away as its claim is won gets ctx's error at once:
-// the claim is released in the background, with the retries a failing
-// store needs, and Drain waits for that; then the key is free.
+// A caller that goes away as its claim is won gets ctx's error once the
+// first attempt to release the claim is made, not after the retries a
+// failing store needs: those go on in the background, Drain waits for
+// them, and then the key is free.
 func TestCallerGoneBeforeFnStartsIsAnsweredAtOnce(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		mem := store.NewMemory(0)
