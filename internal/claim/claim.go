@@ -80,7 +80,7 @@ var (
 	// ErrDetached is returned by Run when the caller's context ended while
 	// the call it started goes on; its result is settled all the same.
 	ErrDetached = errors.New("the caller went away; the call goes on and is settled")
-	// ErrProbablyApplied: a retried settling write found the claim gone,
+	// ErrProbablyApplied means a retried settling write found the claim gone,
 	// most likely because an attempt whose reply was lost had applied it.
 	ErrProbablyApplied = errors.New("a retried store write found the claim already settled; an earlier attempt probably applied")
 )
