@@ -24,9 +24,14 @@
 //     retried at once with backoff, and one that hangs is given up after a
 //     third of the lease, so a short store outage does not let another
 //     process run fn beside it. Storing the result is retried for about
-//     16 s before the claim is left to lapse.
-//   - A panic in fn is returned as a *PanicError: its outcome is unknown,
-//     the claim lapses with its lease, then AbandonedError decides.
+//     16 s of pauses before the claim is left to lapse; with a store whose
+//     every attempt hangs until its 5 s timeout, about 56 s in all.
+//   - A panic in fn is returned wrapping a *PanicError (get it with
+//     errors.As; it matches ErrOutcomeUnknown): its outcome is unknown,
+//     the claim lapses with its lease, then AbandonedError decides. The
+//     calls of this process that waited for the panicking call get its
+//     *PanicError too; AbandonedError applies to the calls made after it
+//     returned.
 //   - Records in a shared store are sealed when the store is opened with
 //     seal keys (SealKeys, SealKeyring): whoever can write to Redis or
 //     PostgreSQL cannot plant a result. Without keys results are stored
@@ -94,7 +99,7 @@ func NewRedisStore(o RedisOptions, opts ...StoreOption) (Store, error) {
 	if err != nil {
 		return nil, err
 	}
-	return sealShared(st, "Redis", o.Prefix, opts)
+	return sealShared(st, "Redis", opts)
 }
 
 // NewPostgresStore returns a store in PostgreSQL, shared by every process
@@ -107,7 +112,7 @@ func NewPostgresStore(o PostgresOptions, opts ...StoreOption) (Store, error) {
 	if err != nil {
 		return nil, err
 	}
-	return sealShared(st, "PostgreSQL", o.Prefix, opts)
+	return sealShared(st, "PostgreSQL", opts)
 }
 
 // StoreOption configures a shared store (NewRedisStore, NewPostgresStore).
@@ -121,7 +126,8 @@ type storeConfig struct {
 }
 
 // SealKeys seals every result the store keeps with AES-256-GCM, bound to
-// its key and to the store's Prefix: a record that fails to open (altered,
+// its key and to the store's key prefix (an empty Prefix is the store's
+// DefaultPrefix, so "" and "idemcp:" share records): a record that fails to open (altered,
 // planted, copied from another key, or sealed under a key not given here)
 // counts as absent, and fn runs as for a new key, once. keys[0] seals and
 // every key opens: after a rotation, keep the previous key until the
@@ -140,6 +146,10 @@ func SealKeys(keys ...[]byte) StoreOption {
 // idemcp sidecar's seal Secret (IDEMCP_SEAL_KEYS): base64 keys separated
 // by commas, spaces or newlines, the current key first; lines starting
 // with # are comments. Generate a key with: head -c 32 /dev/urandom | base64
+//
+// Text with no key in it (an unset environment variable, say) is an
+// error: the store fails to open with "no seal key given" rather than
+// store results unsealed. To run unsealed on purpose, pass no SealKeyring.
 func SealKeyring(text string) StoreOption {
 	return func(c *storeConfig) { c.keyText = append(c.keyText, text) }
 }
@@ -153,9 +163,20 @@ func StoreLogger(l *slog.Logger) StoreOption {
 // SealKeyBytes is the length of a seal key (AES-256).
 const SealKeyBytes = store.SealKeyBytes
 
+// prefixedStore is a shared store that says which key prefix it uses.
+type prefixedStore interface {
+	store.Store
+	KeyPrefix() string
+}
+
 // sealShared wraps st so that its results are sealed, or warns that they
 // are not. It closes st when the options are wrong.
-func sealShared(st store.Store, kind, prefix string, opts []StoreOption) (Store, error) {
+//
+// Records are bound to the prefix st actually uses (an empty
+// Options.Prefix is DefaultPrefix), as the sidecar binds them: processes
+// that share records must open each other's, however they spell it.
+func sealShared(st prefixedStore, kind string, opts []StoreOption) (Store, error) {
+	prefix := st.KeyPrefix()
 	var c storeConfig
 	for _, o := range opts {
 		o(&c)
@@ -214,7 +235,8 @@ var (
 	ErrStoreUnavailable = store.ErrUnavailable
 )
 
-// Options tune a Group. Zero values take the defaults.
+// Options tune a Group. Zero values take the defaults; a negative TTL or
+// Lease is an error (see Validate), not the default.
 type Options struct {
 	// TTL is how long a result is kept and replayed (default 24h, at least
 	// MinTTL).
@@ -230,7 +252,9 @@ type Options struct {
 	// when the first call's process died mid-call (onAbandoned: Error).
 	AbandonedError bool
 	// FailOpen runs fn without deduplication when the store cannot be
-	// reached, instead of failing with ErrStoreUnavailable.
+	// reached, instead of failing with ErrStoreUnavailable. fn still runs
+	// detached from the caller's cancel, but Do waits for it: with no
+	// claim there is nothing to keep its result in for a retry.
 	FailOpen bool
 	// Logger gets the Group's warnings: renewals that fail, results that
 	// could not be kept, claims taken over, panics in fn (nil:
@@ -331,7 +355,10 @@ func hash(parts ...string) string {
 // decides what the next call gets (fn runs again, or ErrOutcomeUnknown).
 // It matches ErrOutcomeUnknown with errors.Is.
 type PanicError struct {
-	// Value is what fn panicked with.
+	// Value is what fn panicked with: nil when fn panicked with nil
+	// (GODEBUG=panicnil=1) or ended its goroutine (runtime.Goexit), and
+	// for the calls that waited in process on a call whose Store
+	// panicked (that panic goes on in the call that met it).
 	Value any
 	// Stack is the stack of the panicking goroutine.
 	Stack []byte
@@ -356,7 +383,10 @@ func (e *PanicError) Unwrap() error { return ErrOutcomeUnknown }
 // fn's result is still kept for the retry (Drain waits for such calls).
 //
 // fn's error is returned as is and nothing is kept, so the next call runs
-// fn again. A panic in fn is returned as a *PanicError. Do's own errors
+// fn again. A panic in fn is returned wrapping a *PanicError (use
+// errors.As), as are the calls of this process that waited for it. A panic
+// in the Store's own methods goes on in the call that met it, and the
+// calls waiting for that one get a *PanicError. Do's own errors
 // wrap ErrConflict, ErrInFlight, ErrOutcomeUnknown or ErrStoreUnavailable,
 // or are ctx's.
 func (g *Group) Do(ctx context.Context, key, fingerprint string, fn func(ctx context.Context) ([]byte, error)) (value []byte, replayed bool, err error) {
@@ -410,16 +440,27 @@ func (g *Group) Do(ctx context.Context, key, fingerprint string, fn func(ctx con
 
 // lead runs the store's side of a call for this process, and hands its
 // outcome to the calls of this process that wait for it.
+//
+// A panic on this goroutine (in the Store's own methods: fn's panics are
+// recovered where fn runs) goes on to the caller, as any panic in its own
+// code would; the calls waiting for this one get a *PanicError.
 func (g *Group) lead(ctx context.Context, f *flight, key, skey, sfp string, fn func(context.Context) ([]byte, error)) (value []byte, replayed bool, err error) {
+	returned := false
 	defer func() {
 		// Whatever happened, the key is free in this process again.
 		f.value, f.err = value, err
+		if !returned {
+			// Panicking (or exiting the goroutine): the waiters must not
+			// take the zero result for one.
+			f.value, f.err = nil, &PanicError{Stack: debug.Stack()}
+		}
 		g.mu.Lock()
 		delete(g.flights, skey)
 		g.mu.Unlock()
 		close(f.done)
 	}()
 	value, replayed, err = g.claim(ctx, skey, sfp, fn)
+	returned = true
 	if errors.Is(err, ErrConflict) || errors.Is(err, ErrInFlight) || errors.Is(err, ErrOutcomeUnknown) {
 		err = fmt.Errorf("key %q: %w", key, err)
 	}
@@ -461,7 +502,19 @@ func (g *Group) claim(ctx context.Context, key, fp string, fn func(context.Conte
 		if ctx.Err() != nil {
 			// The caller gave up before fn started: nothing ran, so the
 			// next call must find the key free.
-			_ = g.claims.Release(context.WithoutCancel(ctx), key, owner, func() {})
+			// The caller is answered once the first attempt to release is
+			// made (so that with a healthy store the key is free when Do
+			// returns); the retries a failing store needs go on in the
+			// background, and Drain waits for them.
+			tried := make(chan struct{})
+			done := g.claims.Track()
+			g.claims.Go("release", func() {
+				defer done()
+				if err := g.claims.Release(context.WithoutCancel(ctx), key, owner, func() { close(tried) }); err != nil {
+					g.writeFailed("release", key, err)
+				}
+			})
+			<-tried
 			return nil, false, ctx.Err()
 		}
 		if r.TookOver {
@@ -507,15 +560,21 @@ func (g *Group) run(ctx context.Context, key, owner string, fn func(context.Cont
 	return value, false, nil
 }
 
-// callUnclaimed runs fn with no claim (FailOpen), returning a panic as a
-// *PanicError as a claimed call does.
+// callUnclaimed runs fn with no claim (FailOpen), on a context ctx's
+// cancel does not reach as a claimed call's, and returns a panic as a
+// *PanicError as a claimed call does (panic(nil) under
+// GODEBUG=panicnil=1 too). Do waits for fn here: there is no claim to
+// keep its result for a retry.
 func callUnclaimed(ctx context.Context, fn func(context.Context) ([]byte, error)) (v []byte, err error) {
+	returned := false
 	defer func() {
-		if p := recover(); p != nil {
+		if p := recover(); p != nil || !returned {
 			v, err = nil, &PanicError{Value: p, Stack: debug.Stack()}
 		}
 	}()
-	return fn(ctx)
+	v, err = fn(context.WithoutCancel(ctx))
+	returned = true
+	return v, err
 }
 
 func (g *Group) writeFailed(op, key string, err error) {

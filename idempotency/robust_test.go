@@ -4,6 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
+	"os/exec"
+	"runtime"
 	"strings"
 	"testing"
 	"testing/synctest"
@@ -160,4 +163,172 @@ func TestStoreDown(t *testing.T) {
 	if _, _, err := open.Do(context.Background(), "k", "fp", func(context.Context) ([]byte, error) { panic("boom") }); !errors.As(err, &pe) {
 		t.Fatalf("store down, FailOpen, fn panics: Do = %v, want a *PanicError", err)
 	}
+}
+
+// panickyStore is a user's Store whose first Reserve panics once the test
+// lets it.
+type panickyStore struct {
+	idempotency.Store
+	calls            int
+	entered, release chan struct{}
+}
+
+func (s *panickyStore) Reserve(ctx context.Context, c store.Claim) (store.Reservation, error) {
+	s.calls++
+	if s.calls == 1 {
+		close(s.entered)
+		<-s.release
+		panic("a bug in the store")
+	}
+	return s.Store.Reserve(ctx, c)
+}
+
+// A Store that panics under the first call of a key: that call panics
+// on (the panic is the caller's, from the caller's Store), the calls of
+// this process waiting for it get a *PanicError, not a result nobody
+// produced, and the next call runs fn.
+func TestStorePanicFailsTheCallsWaitingInProcess(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		mem := store.NewMemory(0)
+		defer func() { _ = mem.Close() }()
+		st := &panickyStore{Store: mem, entered: make(chan struct{}), release: make(chan struct{})}
+		g := idempotency.NewGroup(st, idempotency.Options{})
+		fn := func(context.Context) ([]byte, error) { return []byte("ran"), nil }
+		leader := make(chan any)
+		go func() {
+			defer func() { leader <- recover() }()
+			_, _, _ = g.Do(context.Background(), "k", "fp", fn)
+		}()
+		<-st.entered
+		type result struct {
+			v        []byte
+			replayed bool
+			err      error
+		}
+		waiter := make(chan result)
+		go func() {
+			v, replayed, err := g.Do(context.Background(), "k", "fp", fn)
+			waiter <- result{v, replayed, err}
+		}()
+		synctest.Wait() // the waiter waits for the leader
+		close(st.release)
+		if p := <-leader; p != "a bug in the store" {
+			t.Errorf("the first call recovered %v, want the store's panic to go on", p)
+		}
+		r := <-waiter
+		var pe *idempotency.PanicError
+		if !errors.As(r.err, &pe) || !errors.Is(r.err, idempotency.ErrOutcomeUnknown) || r.replayed || r.v != nil {
+			t.Fatalf("the call waiting in process = %q %v %v, want a *PanicError matching ErrOutcomeUnknown", r.v, r.replayed, r.err)
+		}
+		if v, replayed, err := g.Do(context.Background(), "k", "fp", fn); err != nil || replayed || string(v) != "ran" {
+			t.Fatalf("the next call = %q %v %v, want fn to run", v, replayed, err)
+		}
+	})
+}
+
+// An fn that ends its goroutine without returning (runtime.Goexit, as
+// t.FailNow does) is answered as a panic: a *PanicError with no value,
+// not a Do that never returns.
+func TestFnThatExitsItsGoroutineIsOutcomeUnknown(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		st := store.NewMemory(0)
+		defer func() { _ = st.Close() }()
+		g := idempotency.NewGroup(st, idempotency.Options{})
+		_, _, err := g.Do(context.Background(), "k", "fp", func(context.Context) ([]byte, error) {
+			runtime.Goexit()
+			return nil, nil
+		})
+		var pe *idempotency.PanicError
+		if !errors.As(err, &pe) || pe.Value != nil || !errors.Is(err, idempotency.ErrOutcomeUnknown) {
+			t.Fatalf("Do with an fn that exits its goroutine = %v, want a *PanicError with no value", err)
+		}
+		if err := g.Drain(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+	})
+}
+
+// panic(nil) under GODEBUG=panicnil=1 recovers as nil: it is still a
+// panic, claimed or not (FailOpen), never a success. The test runs itself
+// again with that setting.
+func TestPanicNilIsOutcomeUnknown(t *testing.T) {
+	if os.Getenv("IDEMCP_TEST_PANICNIL") == "" {
+		cmd := exec.Command(os.Args[0], "-test.run=^TestPanicNilIsOutcomeUnknown$", "-test.v", "-test.timeout=60s")
+		cmd.Env = append(os.Environ(), "IDEMCP_TEST_PANICNIL=1", "GODEBUG=panicnil=1")
+		out, err := cmd.CombinedOutput()
+		if err != nil {
+			t.Fatalf("under GODEBUG=panicnil=1: %v\n%s", err, out)
+		}
+		return
+	}
+	synctest.Test(t, func(t *testing.T) {
+		st := store.NewMemory(0)
+		defer func() { _ = st.Close() }()
+		for name, g := range map[string]*idempotency.Group{
+			"claimed":  idempotency.NewGroup(st, idempotency.Options{}),
+			"FailOpen": idempotency.NewGroup(down{st}, idempotency.Options{FailOpen: true}),
+		} {
+			v, _, err := g.Do(context.Background(), "k-"+name, "fp", func(context.Context) ([]byte, error) { panic(nil) })
+			var pe *idempotency.PanicError
+			if !errors.As(err, &pe) || pe.Value != nil || v != nil {
+				t.Errorf("%s: Do with fn panicking with nil = %q %v, want a *PanicError with no value", name, v, err)
+			}
+		}
+	})
+}
+
+// failingRelease is a store whose Reserve wins as its caller goes away,
+// and whose Releases fail the first two times.
+type failingRelease struct {
+	idempotency.Store
+	cancel   func()
+	releases int
+}
+
+func (s *failingRelease) Reserve(ctx context.Context, c store.Claim) (store.Reservation, error) {
+	r, err := s.Store.Reserve(context.WithoutCancel(ctx), c)
+	s.cancel()
+	return r, err
+}
+
+func (s *failingRelease) Release(ctx context.Context, key, owner string) error {
+	if s.releases++; s.releases <= 2 {
+		return fmt.Errorf("dial tcp: connection refused: %w", store.ErrUnavailable)
+	}
+	return s.Store.Release(ctx, key, owner)
+}
+
+// A caller that goes away as its claim is won gets ctx's error once the
+// first attempt to release the claim is made, not after the retries a
+// failing store needs: those go on in the background, Drain waits for
+// them, and then the key is free.
+func TestCallerGoneBeforeFnStartsIsAnsweredAtOnce(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		mem := store.NewMemory(0)
+		defer func() { _ = mem.Close() }()
+		ctx, cancel := context.WithCancel(context.Background())
+		st := &failingRelease{Store: mem, cancel: cancel}
+		g := idempotency.NewGroup(st, idempotency.Options{})
+		runs := 0
+		fn := func(context.Context) ([]byte, error) {
+			runs++
+			return []byte("ran"), nil
+		}
+		start := time.Now()
+		if _, _, err := g.Do(ctx, "k", "fp", fn); !errors.Is(err, context.Canceled) || runs != 0 {
+			t.Fatalf("Do whose caller went away before fn = %v (%d runs), want context.Canceled and no run", err, runs)
+		}
+		if d := time.Since(start); d != 0 {
+			t.Errorf("the caller that went away was answered after %v, want at once", d)
+		}
+		if err := g.Drain(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+		if d, want := time.Since(start), 250*time.Millisecond; d != want {
+			t.Errorf("Drain returned after %v, want once the release got through, after two retries (%v)", d, want)
+		}
+		if v, _, err := g.Do(context.Background(), "k", "fp", fn); err != nil || string(v) != "ran" || runs != 1 {
+			t.Fatalf("the next call = %q %v (%d runs), want the key free and fn run", v, err, runs)
+		}
+	})
 }

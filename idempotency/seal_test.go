@@ -126,6 +126,7 @@ func TestBadSealKeys(t *testing.T) {
 		{"no key", []idempotency.StoreOption{idempotency.SealKeys()}, "no key was given to SealKeys"},
 		{"not base64", []idempotency.StoreOption{idempotency.SealKeyring("not base64!")}, "is not base64"},
 		{"empty keyring", []idempotency.StoreOption{idempotency.SealKeyring("# nothing\n")}, "no seal key given"},
+		{"unset variable", []idempotency.StoreOption{idempotency.SealKeyring("")}, "no seal key given"},
 		{"both ways", []idempotency.StoreOption{idempotency.SealKeys(make([]byte, 32)), idempotency.SealKeyring(base64.StdEncoding.EncodeToString(make([]byte, 32)))}, "give the keys one way"},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
@@ -135,6 +136,66 @@ func TestBadSealKeys(t *testing.T) {
 					_ = st.Close()
 				}
 				t.Fatalf("NewRedisStore = %v, want an error saying %q", err, tt.want)
+			}
+		})
+	}
+}
+
+// Prefix "" is the store's DefaultPrefix: a process that leaves Prefix
+// empty and one that spells the default out share the same records, and
+// each opens the results the other sealed, so fn runs once between them.
+func TestSealedResultsOpenUnderTheDefaultPrefixSpelledOut(t *testing.T) {
+	servers := map[string]func(t *testing.T) func(prefix string, opts ...idempotency.StoreOption) (idempotency.Store, error){
+		"Redis": func(t *testing.T) func(string, ...idempotency.StoreOption) (idempotency.Store, error) {
+			srv := redistest.Start(t)
+			return func(prefix string, opts ...idempotency.StoreOption) (idempotency.Store, error) {
+				return idempotency.NewRedisStore(idempotency.RedisOptions{Addrs: []string{srv.Addr}, Prefix: prefix}, opts...)
+			}
+		},
+		"Postgres": func(t *testing.T) func(string, ...idempotency.StoreOption) (idempotency.Store, error) {
+			srv := pgtest.Start(t)
+			return func(prefix string, opts ...idempotency.StoreOption) (idempotency.Store, error) {
+				return idempotency.NewPostgresStore(idempotency.PostgresOptions{URL: srv.URL, Prefix: prefix}, opts...)
+			}
+		},
+	}
+	for name, start := range servers {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			open := start(t)
+			key := make([]byte, idempotency.SealKeyBytes)
+			_, _ = rand.Read(key)
+			var warnings logBuffer
+			groups := map[string]*idempotency.Group{}
+			for _, prefix := range []string{"", "idemcp:"} {
+				st, err := open(prefix, idempotency.SealKeys(key), idempotency.StoreLogger(slog.New(slog.NewTextHandler(&warnings, nil))))
+				if err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(func() { _ = st.Close() })
+				groups[prefix] = idempotency.NewGroup(st, idempotency.Options{})
+			}
+			runs := 0
+			charge := func(context.Context) ([]byte, error) {
+				runs++
+				return []byte("charged"), nil
+			}
+			for i, call := range []struct {
+				first, then string
+			}{{"", "idemcp:"}, {"idemcp:", ""}} {
+				order := "order-" + rand.Text()
+				for _, prefix := range []string{call.first, call.then} {
+					if _, _, err := groups[prefix].Do(context.Background(), order, "amount=5", charge); err != nil {
+						t.Fatal(err)
+					}
+				}
+				if runs != i+1 {
+					t.Errorf("Prefix %q, then Prefix %q on one server: fn ran %d times, want once", call.first, call.then, runs-i)
+					runs = i + 1
+				}
+			}
+			if w := warnings.String(); strings.Contains(w, "failed to open") {
+				t.Errorf("the stores logged %q; want every sealed result to open in both", w)
 			}
 		})
 	}

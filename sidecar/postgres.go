@@ -87,6 +87,6 @@ func openPostgres(o StoreOptions, p *policy.Policy) (store.Store, StoreInfo, err
 		return nil, StoreInfo{}, fmt.Errorf("--postgres-url: %w", err)
 	}
 	info := postgresInfo(po.URL)
-	info.KeyPrefix = po.Prefix
+	info.KeyPrefix = st.KeyPrefix() // what seals bind to
 	return st, info, nil
 }

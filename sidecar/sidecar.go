@@ -373,7 +373,11 @@ func openStore(o StoreOptions, p *policy.Policy, log *slog.Logger) (store.Store,
 		redis.SetLogger(redisLogger{log})
 		info := redisInfo(ro)
 		st, err := redisstore.New(ro)
-		return st, info, err
+		if err != nil {
+			return nil, StoreInfo{}, err
+		}
+		info.KeyPrefix = st.KeyPrefix() // what seals bind to
+		return st, info, nil
 	case "postgres":
 		return openPostgres(o, p)
 	default:

@@ -16,6 +16,9 @@
 //	st, err := idempotency.NewRedisStore(idempotency.RedisOptions{Addrs: addrs, Prefix: "payments:"},
 //		idempotency.SealKeyring(os.Getenv("IDEMCP_SEAL_KEYS")))
 //
+// With IDEMCP_SEAL_KEYS unset or empty this fails closed: NewRedisStore
+// returns an error ("no seal key given") rather than open unsealed.
+//
 // Who calls: the principal is the SDK's auth info (TokenInfo.UserID, set by
 // auth.RequireBearerToken), else the policy's principal header (default
 // Authorization) of the HTTP request; the session is the SDK's session id

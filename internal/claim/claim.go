@@ -80,8 +80,8 @@ var (
 	// ErrDetached is returned by Run when the caller's context ended while
 	// the call it started goes on; its result is settled all the same.
 	ErrDetached = errors.New("the caller went away; the call goes on and is settled")
-	// ErrProbablyApplied means a retried settling write found the claim
-	// gone, most likely because an attempt whose reply was lost had applied it.
+	// ErrProbablyApplied means a retried settling write found the claim gone,
+	// most likely because an attempt whose reply was lost had applied it.
 	ErrProbablyApplied = errors.New("a retried store write found the claim already settled; an earlier attempt probably applied")
 )
 
@@ -204,8 +204,14 @@ func (h Held) attrs(more ...any) []any {
 //
 // A panic in body is recovered: the claim is neither completed nor
 // released, so it lapses with its lease, and the caller is answered
-// Options.PanicAnswer's error.
+// Options.PanicAnswer's error. A body that ends its goroutine without
+// returning (runtime.Goexit, or panic(nil) under GODEBUG=panicnil=1) is
+// answered the same way, with a nil panic value. h.Lease must be
+// positive, or Run returns an error and body does not run.
 func (p *Protocol) Run(ctx context.Context, h Held, body func(ctx context.Context, answer func(error))) error {
+	if h.Lease <= 0 {
+		return fmt.Errorf("claim: the lease of %q is %v; a lease must be positive to be renewed", h.Key, h.Lease)
+	}
 	done := make(chan error, 1)
 	p.running.add()
 	go func() {
@@ -217,8 +223,13 @@ func (p *Protocol) Run(ctx context.Context, h Held, body func(ctx context.Contex
 				done <- err
 			}
 		}
+		returned := false
 		defer func() {
-			if v := recover(); v != nil {
+			// A body that did not return panicked, perhaps with nil
+			// (GODEBUG=panicnil=1), or exited its goroutine
+			// (runtime.Goexit, as t.FailNow does): either way its outcome
+			// is unknown, and its caller must still be answered.
+			if v := recover(); v != nil || !returned {
 				// The deferred stopRenew below has already stopped
 				// renewing: the lease runs out.
 				p.panicked("run", v)
@@ -229,6 +240,7 @@ func (p *Protocol) Run(ctx context.Context, h Held, body func(ctx context.Contex
 		stopRenew := p.renew(runCtx, h)
 		defer stopRenew() // the lease lives until the claim is settled
 		body(runCtx, answer)
+		returned = true
 		answer(nil)
 	}()
 	select {
@@ -304,7 +316,9 @@ func (p *Protocol) renew(ctx context.Context, h Held) (stop func()) {
 // SettleRetries bound how long a settling write is retried into a store
 // that fails: a lost Complete would let the lease run out and a retry run
 // the call again, so a blip (or a Sentinel failover) is waited out while
-// the lease is renewed. Each attempt has SettleAttemptTimeout.
+// the lease is renewed. Each attempt has SettleAttemptTimeout: the pauses
+// add up to about 16 s, and with a store whose every attempt hangs until
+// its timeout the retries last about 56 s in all.
 var SettleRetries = []time.Duration{50 * time.Millisecond, 200 * time.Millisecond, 500 * time.Millisecond, time.Second, 2 * time.Second, 4 * time.Second, 8 * time.Second}
 
 // SettleAttemptTimeout bounds one attempt of a settling write.

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"runtime"
 	"slices"
 	"sync"
 	"testing"
@@ -159,4 +160,49 @@ func TestHungRenewalIsCutAndRetried(t *testing.T) {
 			t.Errorf("the retry ended at %v with %v, want it %v after the cut, and to succeed", st.at[1], st.errs[1], claim.RenewRetryMin)
 		}
 	})
+}
+
+// A call whose goroutine ends without returning (runtime.Goexit, as
+// t.FailNow does) is answered like a panic, with no value: its caller is
+// not left waiting forever, and the claim lapses with its lease.
+func TestRunAnswersACallThatExitsItsGoroutine(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		st := store.NewMemory(0)
+		defer func() { _ = st.Close() }()
+		var answered []any
+		p := claim.New(claim.Options{Store: st, PanicAnswer: func(_ claim.Held, v any) error {
+			answered = append(answered, v)
+			return errors.New("outcome unknown")
+		}})
+		c := store.Claim{Key: "k", Fingerprint: "f", Owner: "o", Lease: time.Second, Retention: time.Hour}
+		if r, err := p.Reserve(context.Background(), c, claim.Waits{Timeout: time.Minute}); err != nil || r.State != store.Won {
+			t.Fatalf("Reserve = %v, %v", r, err)
+		}
+		err := p.Run(context.Background(), claim.Held{Key: "k", Owner: "o", Lease: time.Second}, func(context.Context, func(error)) {
+			runtime.Goexit()
+		})
+		if err == nil || err.Error() != "outcome unknown" || len(answered) != 1 || answered[0] != nil {
+			t.Fatalf("Run of a call that exits its goroutine = %v (PanicAnswer got %v), want PanicAnswer's error for a nil value", err, answered)
+		}
+		if err := p.Drain(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+		r, err := st.Reserve(context.Background(), store.Claim{Key: "k", Fingerprint: "f", Owner: "next", Lease: time.Second, Retention: time.Hour})
+		if err != nil || r.State != store.Pending {
+			t.Errorf("the next call at once: %v %v, want the claim kept until its lease runs out", r.State, err)
+		}
+	})
+}
+
+// A lease that is not positive cannot be renewed (its renewal would spin):
+// Run refuses it, and the call does not run.
+func TestRunRefusesALeaseThatIsNotPositive(t *testing.T) {
+	p := claim.New(claim.Options{Store: store.NewMemory(0)})
+	for _, lease := range []time.Duration{0, -time.Second} {
+		ran := false
+		err := p.Run(context.Background(), claim.Held{Key: "k", Owner: "o", Lease: lease}, func(context.Context, func(error)) { ran = true })
+		if err == nil || ran {
+			t.Errorf("Run with a lease of %v = %v (body ran: %v), want an error and no run", lease, err, ran)
+		}
+	}
 }

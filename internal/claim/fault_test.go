@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"log/slog"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -121,23 +122,42 @@ func (f engineFrontEnd) do(ctx context.Context, key string, fn func(context.Cont
 }
 
 var stores = map[string]func(t *testing.T) store.Store{
-	"Memory": func(*testing.T) store.Store { return store.NewMemory(0) },
-	"Redis": func(t *testing.T) store.Store {
-		srv := redistest.Start(t)
-		st, err := idempotency.NewRedisStore(idempotency.RedisOptions{Addrs: []string{srv.Addr}, Prefix: "fault:"})
-		if err != nil {
-			t.Fatal(err)
-		}
-		return st
-	},
-	"Postgres": func(t *testing.T) store.Store {
-		srv := pgtest.Start(t)
-		st, err := idempotency.NewPostgresStore(idempotency.PostgresOptions{URL: srv.URL, Prefix: "fault:"})
-		if err != nil {
-			t.Fatal(err)
-		}
-		return st
-	},
+	"Memory":         func(*testing.T) store.Store { return store.NewMemory(0) },
+	"Redis":          func(t *testing.T) store.Store { return openRedis(t) },
+	"RedisSealed":    func(t *testing.T) store.Store { return openRedis(t, idempotency.SealKeys(sealKey())) },
+	"Postgres":       func(t *testing.T) store.Store { return openPostgres(t) },
+	"PostgresSealed": func(t *testing.T) store.Store { return openPostgres(t, idempotency.SealKeys(sealKey())) },
+}
+
+func openRedis(t *testing.T, opts ...idempotency.StoreOption) store.Store {
+	srv := redistest.Start(t)
+	st, err := idempotency.NewRedisStore(idempotency.RedisOptions{Addrs: []string{srv.Addr}, Prefix: "fault:"}, quiet(opts)...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return st
+}
+
+func openPostgres(t *testing.T, opts ...idempotency.StoreOption) store.Store {
+	srv := pgtest.Start(t)
+	st, err := idempotency.NewPostgresStore(idempotency.PostgresOptions{URL: srv.URL, Prefix: "fault:"}, quiet(opts)...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return st
+}
+
+// quiet drops the store's warnings (that it is unsealed).
+func quiet(opts []idempotency.StoreOption) []idempotency.StoreOption {
+	return append(opts, idempotency.StoreLogger(slog.New(slog.DiscardHandler)))
+}
+
+// sealKey is a fresh seal key: every process of a test shares the store
+// it is opened with, so they share its key too.
+func sealKey() []byte {
+	k := make([]byte, idempotency.SealKeyBytes)
+	_, _ = rand.Read(k)
+	return k
 }
 
 // fault is one test of the suite: open front ends on st, run the calls.

@@ -480,6 +480,11 @@ func (s *Store) Wait(ctx context.Context, key string) error {
 	}
 }
 
+// KeyPrefix is the prefix the store puts before every key: Options.Prefix,
+// or DefaultPrefix when that is empty. Seal records bound to this, not to
+// Options.Prefix, so that "" and DefaultPrefix open each other's records.
+func (s *Store) KeyPrefix() string { return s.prefix }
+
 // Ping implements store.Store: the database answers and the schema is in
 // place.
 func (s *Store) Ping(ctx context.Context) error {
