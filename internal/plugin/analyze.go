@@ -30,10 +30,10 @@ import (
 type Severity string
 
 const (
-	// SeverityError: pods run, or would run, without the exactly-once
+	// SeverityError means pods run, or would run, without the exactly-once
 	// guarantee, or are refused.
 	SeverityError Severity = "Error"
-	// SeverityWarning: a risk or a drift worth fixing.
+	// SeverityWarning means a risk or a drift worth fixing.
 	SeverityWarning Severity = "Warning"
 )
 
@@ -155,28 +155,28 @@ printed), 1 when something is, 2 for a bad command line.`,
 
 func printReport(out, errOut io.Writer, r *Report, wide bool) {
 	for _, n := range r.Notes {
-		fmt.Fprintf(errOut, "note: %s\n", n)
+		_, _ = fmt.Fprintf(errOut, "note: %s\n", n)
 	}
 	if len(r.Findings) == 0 {
-		fmt.Fprintln(out, "No problems found.")
+		_, _ = fmt.Fprintln(out, "No problems found.")
 		return
 	}
 	tw := tabwriter.NewWriter(out, 0, 4, 2, ' ', 0)
 	if wide {
-		fmt.Fprintln(tw, "CODE\tSEVERITY\tOBJECT\tMESSAGE\tDOCS")
+		_, _ = fmt.Fprintln(tw, "CODE\tSEVERITY\tOBJECT\tMESSAGE\tDOCS")
 	} else {
-		fmt.Fprintln(tw, "CODE\tSEVERITY\tOBJECT\tMESSAGE")
+		_, _ = fmt.Fprintln(tw, "CODE\tSEVERITY\tOBJECT\tMESSAGE")
 	}
 	for _, f := range r.Findings {
 		if wide {
-			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\n", f.Code, f.Severity, f.Object, f.Message, f.Docs)
+			_, _ = fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\n", f.Code, f.Severity, f.Object, f.Message, f.Docs)
 		} else {
-			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\n", f.Code, f.Severity, f.Object, f.Message)
+			_, _ = fmt.Fprintf(tw, "%s\t%s\t%s\t%s\n", f.Code, f.Severity, f.Object, f.Message)
 		}
 	}
 	_ = tw.Flush()
 	if !wide {
-		fmt.Fprintf(out, "\nEach code is explained at %s#<code>, e.g. %s#%s (-o wide prints the links).\n", DocsBase, DocsBase, strings.ToLower(r.Findings[0].Code))
+		_, _ = fmt.Fprintf(out, "\nEach code is explained at %s#<code>, e.g. %s#%s (-o wide prints the links).\n", DocsBase, DocsBase, strings.ToLower(r.Findings[0].Code))
 	}
 }
 

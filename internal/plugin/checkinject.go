@@ -97,7 +97,7 @@ delete the pod) gets the sidecar.`,
 			}
 			in := FindInstall(ctx, e)
 			for _, n := range in.Notes {
-				fmt.Fprintf(e.ErrOut, "note: %s\n", n)
+				_, _ = fmt.Fprintf(e.ErrOut, "note: %s\n", n)
 			}
 			verdicts := make([]Verdict, 0, len(pods))
 			for i := range pods {
@@ -119,7 +119,7 @@ delete the pod) gets the sidecar.`,
 func printVerdicts(w io.Writer, vs []Verdict) {
 	for i, v := range vs {
 		if i > 0 {
-			fmt.Fprintln(w)
+			_, _ = fmt.Fprintln(w)
 		}
 		state := "NOT INJECTED"
 		switch {
@@ -131,10 +131,10 @@ func printVerdicts(w io.Writer, vs []Verdict) {
 			state = "NOT INJECTED (a new pod like it is refused)"
 		}
 		tw := tabwriter.NewWriter(w, 0, 4, 1, ' ', 0)
-		fmt.Fprintf(tw, "pod %s/%s:\t%s\n", v.Namespace, v.Pod, state)
+		_, _ = fmt.Fprintf(tw, "pod %s/%s:\t%s\n", v.Namespace, v.Pod, state)
 		_ = tw.Flush()
 		for _, r := range v.Reasons {
-			fmt.Fprintf(w, "  - %s\n", r)
+			_, _ = fmt.Fprintf(w, "  - %s\n", r)
 		}
 	}
 }
@@ -167,7 +167,6 @@ func CheckInject(ctx context.Context, c client.Reader, in *Install, pod *corev1.
 		v.Reasons = append(v.Reasons, reasons...)
 	}
 	if reason := objectReason(wh, pod); reason != "" {
-		blocked = true
 		v.Reasons = append(v.Reasons, reason)
 		// The webhook would only say "not opted in" again.
 		return v

@@ -107,7 +107,7 @@ your permissions. It only reads.
 		Use:   "version",
 		Short: "Print the plugin's version",
 		Args:  cobra.NoArgs,
-		Run:   func(cmd *cobra.Command, _ []string) { fmt.Fprintln(cmd.OutOrStdout(), version.Get()) },
+		Run:   func(cmd *cobra.Command, _ []string) { _, _ = fmt.Fprintln(cmd.OutOrStdout(), version.Get()) },
 	})
 	return root
 }
@@ -180,11 +180,11 @@ func Main(args []string, out, errOut io.Writer) int {
 	var exit *ExitError
 	if errors.As(err, &exit) {
 		if exit.Err != nil {
-			fmt.Fprintf(errOut, "error: %v\n", exit.Err)
+			_, _ = fmt.Fprintf(errOut, "error: %v\n", exit.Err)
 		}
 		return exit.Code
 	}
-	fmt.Fprintf(errOut, "error: %v\n", err)
+	_, _ = fmt.Fprintf(errOut, "error: %v\n", err)
 	if strings.HasPrefix(err.Error(), "unknown command") {
 		return 2
 	}

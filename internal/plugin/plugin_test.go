@@ -70,7 +70,7 @@ func TestMain(m *testing.M) {
 			fmt.Fprintln(os.Stderr, err)
 			return 1
 		}
-		defer os.RemoveAll(dir)
+		defer func() { _ = os.RemoveAll(dir) }()
 		kubeconfig = filepath.Join(dir, "kubeconfig")
 		if err := writeKubeconfig(cfg, kubeconfig); err != nil {
 			fmt.Fprintln(os.Stderr, err)

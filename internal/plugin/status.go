@@ -163,17 +163,17 @@ func parseReadyz(body string) (hash, store, stream string) {
 }
 
 func printStatus(w io.Writer, st *PolicyStatus, wide bool) {
-	fmt.Fprintf(w, "IdempotencyPolicy %s/%s: Ready %s, policy hash %s\n", st.Namespace, st.Policy, st.Ready, orDash(st.PolicyHash))
-	fmt.Fprintf(w, "Sidecars (the manager's count): %d injected, %d connected to the policy stream, %d synced\n\n", st.Sidecars.Injected, st.Sidecars.Connected, st.Sidecars.Synced)
+	_, _ = fmt.Fprintf(w, "IdempotencyPolicy %s/%s: Ready %s, policy hash %s\n", st.Namespace, st.Policy, st.Ready, orDash(st.PolicyHash))
+	_, _ = fmt.Fprintf(w, "Sidecars (the manager's count): %d injected, %d connected to the policy stream, %d synced\n\n", st.Sidecars.Injected, st.Sidecars.Connected, st.Sidecars.Synced)
 	if len(st.Pods) == 0 {
-		fmt.Fprintln(w, "No injected pod uses this policy.")
+		_, _ = fmt.Fprintln(w, "No injected pod uses this policy.")
 		return
 	}
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
 	if wide {
-		fmt.Fprintln(tw, "POD\tREADY\tSTREAM\tPOLICY-HASH\tCURRENT\tSTORE\tVERSION\tINJECTED-HASH\tNODE\tIMAGE")
+		_, _ = fmt.Fprintln(tw, "POD\tREADY\tSTREAM\tPOLICY-HASH\tCURRENT\tSTORE\tVERSION\tINJECTED-HASH\tNODE\tIMAGE")
 	} else {
-		fmt.Fprintln(tw, "POD\tREADY\tSTREAM\tPOLICY-HASH\tCURRENT\tSTORE\tVERSION")
+		_, _ = fmt.Fprintln(tw, "POD\tREADY\tSTREAM\tPOLICY-HASH\tCURRENT\tSTORE\tVERSION")
 	}
 	probeFailed := false
 	for _, s := range st.Pods {
@@ -186,11 +186,11 @@ func printStatus(w io.Writer, st *PolicyStatus, wide bool) {
 		if wide {
 			line += fmt.Sprintf("\t%s\t%s\t%s", orDash(s.InjectedHash), orDash(s.Node), orDash(s.Image))
 		}
-		fmt.Fprintln(tw, line)
+		_, _ = fmt.Fprintln(tw, line)
 	}
 	_ = tw.Flush()
 	if probeFailed {
-		fmt.Fprintln(w, "\nA sidecar's /readyz could not be read (-o json shows why): its hash is the one it started with, its stream and store unknown.")
+		_, _ = fmt.Fprintln(w, "\nA sidecar's /readyz could not be read (-o json shows why): its hash is the one it started with, its stream and store unknown.")
 	}
 }
 

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -78,7 +79,7 @@ func TestRetryWindow(t *testing.T) {
 		}
 		out, err := e.Execute(context.Background(), p, func(context.Context) (Upstream, error) {
 			n := ran.Add(1)
-			return Upstream{Response: []byte(`{"jsonrpc":"2.0","id":1,"result":{"run":` + string(rune('0'+n)) + `}}`), Status: 200}, nil
+			return Upstream{Response: []byte(`{"jsonrpc":"2.0","id":1,"result":{"run":` + strconv.Itoa(int(n)) + `}}`), Status: 200}, nil
 		})
 		if err != nil {
 			t.Fatalf("Execute(%s): %v", params, err)
