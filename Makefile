@@ -214,29 +214,28 @@ undeploy: build-installer ## Remove idemcp: the webhook first, so no pod create 
 
 ##@ Tools
 
+# Pinned tools live in bin/, copied from a cache outside the checkout
+# (hack/tool.sh; IDEMCP_TOOL_CACHE), so that a fresh clone builds none again.
+
 .PHONY: controller-gen
 controller-gen: $(CONTROLLER_GEN)
 $(CONTROLLER_GEN):
-	GOBIN=$(LOCALBIN) $(GO) install sigs.k8s.io/controller-tools/cmd/controller-gen@$(CONTROLLER_TOOLS_VERSION)
-	mv $(LOCALBIN)/controller-gen $@
+	GO=$(GO) hack/tool.sh $@ sigs.k8s.io/controller-tools/cmd/controller-gen $(CONTROLLER_TOOLS_VERSION) controller-gen
 
 .PHONY: golangci-lint
 golangci-lint: $(GOLANGCI_LINT)
 $(GOLANGCI_LINT):
-	GOBIN=$(LOCALBIN) $(GO) install github.com/golangci/golangci-lint/v2/cmd/golangci-lint@$(GOLANGCI_LINT_VERSION)
-	mv $(LOCALBIN)/golangci-lint $@
+	GO=$(GO) hack/tool.sh $@ github.com/golangci/golangci-lint/v2/cmd/golangci-lint $(GOLANGCI_LINT_VERSION) golangci-lint
 
 .PHONY: kustomize
 kustomize: $(KUSTOMIZE)
 $(KUSTOMIZE):
-	GOBIN=$(LOCALBIN) $(GO) install sigs.k8s.io/kustomize/kustomize/v5@$(KUSTOMIZE_VERSION)
-	mv $(LOCALBIN)/kustomize $@
+	GO=$(GO) hack/tool.sh $@ sigs.k8s.io/kustomize/kustomize/v5 $(KUSTOMIZE_VERSION) kustomize
 
 .PHONY: helm
 helm: $(HELM)
 $(HELM):
-	GOBIN=$(LOCALBIN) $(GO) install helm.sh/helm/v3/cmd/helm@$(HELM_VERSION)
-	mv $(LOCALBIN)/helm $@
+	GO=$(GO) hack/tool.sh $@ helm.sh/helm/v3/cmd/helm $(HELM_VERSION) helm
 
 .PHONY: help
 help: ## Show this help.
