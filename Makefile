@@ -96,6 +96,16 @@ demo-images: image ## Write the images make demo KUBECONFIG=... runs: dist/idemc
 chaos: ## The chaos tests (3 sidecars, a real Redis, injected faults; about 3 minutes), printing their counts.
 	$(GO) test -race -count=1 -timeout 20m -v -run 'TestChaos' ./test/chaos/ | grep -v '^=== '
 
+SEEDS ?= $(shell seq 1 20)
+.PHONY: chaos-sentinel-seeds
+chaos-sentinel-seeds: ## The Sentinel failover chaos section once per seed (SEEDS, default 1..20; about a minute each), recorded by seed in test/chaos/results.md; fails if any seed failed.
+	@log=$$(mktemp); failed=""; for seed in $(SEEDS); do \
+		echo "== seed $$seed"; \
+		CHAOS_SEED=$$seed CHAOS_RECORD_SEEDS=1 $(GO) test -race -count=1 -timeout 10m -v -run '^TestChaosSentinelFailover$$' ./test/chaos/ >$$log 2>&1 || failed="$$failed $$seed"; \
+		grep -E -e '^(--- |FAIL|ok )' -e 'must be 0' -e 'chaos_test.go:[0-9]+: [0-9]+ ' $$log || true; \
+	done; rm -f $$log; \
+	if [ -n "$$failed" ]; then echo "failed seeds:$$failed"; exit 1; fi
+
 .PHONY: chaos-record
 chaos-record: ## Run the chaos tests (part of make test) and record their counts in test/chaos/results.md.
 	CHAOS_RECORD=1 $(GO) test -race -count=1 -timeout 20m -v -run 'TestChaos' ./test/chaos/ | grep -v '^=== '
