@@ -97,6 +97,19 @@ demo-images: image ## Write the images make demo KUBECONFIG=... runs: dist/idemc
 chaos: ## The chaos tests (3 sidecars, a real Redis, injected faults; about 3 minutes), printing their counts.
 	$(GO) test -race -count=1 -timeout 20m -v -run 'TestChaos' ./test/chaos/ | grep -v '^=== '
 
+SEEDS ?= $(shell seq 1 20)
+.PHONY: chaos-sentinel-seeds
+chaos-sentinel-seeds: ## The Sentinel failover chaos section once per seed (SEEDS, default 1..20; about a minute each), recorded by seed in test/chaos/results.md, the whole output of a failed seed kept in bin/chaos-seeds; fails if any seed failed.
+	@mkdir -p $(LOCALBIN)/chaos-seeds; log=$$(mktemp); failed=""; for seed in $(SEEDS); do \
+		echo "== seed $$seed"; \
+		if CHAOS_SEED=$$seed CHAOS_RECORD_SEEDS=1 $(GO) test -race -count=1 -timeout 10m -v -run '^TestChaosSentinelFailover$$' ./test/chaos/ >$$log 2>&1; then :; else \
+			failed="$$failed $$seed"; cp $$log $(LOCALBIN)/chaos-seeds/seed-$$seed.log; \
+			grep -E -e '^\s+chaos_test.go:[0-9]+: [^0-9]' $$log | grep -v -e ' fault: ' -e 'chaos: seed' -e 'verification took' | tail -20; \
+		fi; \
+		grep -E -e '^(--- |FAIL|ok )' -e 'must be 0' $$log || true; \
+	done; rm -f $$log; \
+	if [ -n "$$failed" ]; then echo "failed seeds:$$failed (logs in $(LOCALBIN)/chaos-seeds)"; exit 1; fi
+
 .PHONY: chaos-record
 chaos-record: ## Run the chaos tests (part of make test) and record their counts in test/chaos/results.md.
 	CHAOS_RECORD=1 $(GO) test -race -count=1 -timeout 20m -v -run 'TestChaos' ./test/chaos/ | grep -v '^=== '

@@ -4,7 +4,9 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/base64"
+	"encoding/json"
 	"fmt"
+	"maps"
 	"strings"
 	"time"
 
@@ -36,7 +38,8 @@ import (
 //  2. promoted: once every pod holds the new key, it moves first; pods
 //     started from now on seal with it;
 //  3. retiring: once no pod seals with the old key any more, it is kept for
-//     the policy's longest TTL (plus its lease), then dropped.
+//     the longest retention it sealed under (see annotationSealRetention),
+//     plus the lease and the clock-skew grace of opening, then dropped.
 const (
 	// SealKeysKey is the key of the Secret's data that holds the keyring.
 	SealKeysKey = credentials.SealKeysKey
@@ -48,6 +51,12 @@ const (
 	annotationSealStage       = "idemcp.io/seal-rotation-stage"
 	annotationSealSince       = "idemcp.io/seal-rotation-since"
 	annotationSealRetireAfter = "idemcp.io/seal-retire-after"
+	// annotationSealRetention records, by key id, the longest TTL and the
+	// longest lease of the policy seen while the key sealed: a record
+	// sealed with the key lives that long whatever the policy says when
+	// the key retires (a TTL shortened meanwhile does not shorten records
+	// stored before). JSON: {"KEYID": {"ttl": "72h0m0s", "lease": "30s"}}.
+	annotationSealRetention = "idemcp.io/seal-key-retention"
 
 	sealStaged   = "staged"
 	sealPromoted = "promoted"
@@ -55,6 +64,11 @@ const (
 
 	sealRecheck = 30 * time.Second
 )
+
+// sealSkewGrace is added to the time a retiring key stays: a record opens
+// until that long past its sealed expiry, which the sealing sidecar's
+// clock set (store.SealExpiryGrace).
+var sealSkewGrace = store.SealExpiryGrace
 
 // SealName is the name of a policy's seal Secret.
 func SealName(policy string) string { return credentials.SealSecretName(policy) }
@@ -174,6 +188,7 @@ func rotateSealKey(secret *corev1.Secret, compiled *policy.Policy, pods *policyP
 		}
 	}
 	stamp := now.UTC().Format(time.RFC3339Nano)
+	retention := recordRetention(secret, keys, stage, compiled)
 	switch {
 	case len(keys) == 0:
 		return 0, "", fmt.Errorf("the seal Secret %s/%s has no keys under %q; delete it and idemcp makes a new one (stored results then run again once)", secret.Namespace, secret.Name, SealKeysKey)
@@ -201,10 +216,18 @@ func rotateSealKey(secret *corev1.Secret, compiled *policy.Policy, pods *policyP
 		if n := startedBefore(pods, since); n > 0 {
 			return sealRecheck, "", nil
 		}
-		keep := compiled.LongestTTL() + compiled.LeaseDuration
+		// The old keys sealed until now: the policy as it is now counts
+		// too, and recordRetention has taken it in.
+		var longest sealRetention
+		for _, k := range keys[1:] {
+			r := retention[keyID(k)]
+			longest.TTL, longest.Lease = max(longest.TTL, r.TTL), max(longest.Lease, r.Lease)
+		}
+		keep := longest.TTL + longest.Lease + sealSkewGrace
 		after := now.Add(keep)
 		set(annotationSealStage, sealRetiring, annotationSealRetireAfter, after.UTC().Format(time.RFC3339Nano))
-		return keep, fmt.Sprintf("no pod seals with the previous key any more; it stays for opening until %s (the longest TTL plus the lease), then goes", after.UTC().Format(time.RFC3339)), nil
+		return keep, fmt.Sprintf("no pod seals with the previous key any more; it stays for opening until %s (the longest TTL it sealed under, %v, plus the lease, %v, and %v for clock skew), then goes",
+			after.UTC().Format(time.RFC3339), longest.TTL, longest.Lease, sealSkewGrace), nil
 
 	case stage == sealRetiring:
 		after, err := time.Parse(time.RFC3339Nano, ann[annotationSealRetireAfter])
@@ -213,9 +236,77 @@ func rotateSealKey(secret *corev1.Secret, compiled *policy.Policy, pods *policyP
 		}
 		secret.Data[SealKeysKey] = joinKeys(keys[0])
 		set(annotationSealStage, "", annotationSealSince, "", annotationSealRetireAfter, "")
+		retention = map[string]sealRetention{keyID(keys[0]): retention[keyID(keys[0])]}
+		writeRetention(secret, retention)
 		return 0, fmt.Sprintf("dropped the previous seal keys; %s alone seals and opens", keyID(keys[0])), nil
 	}
 	return 0, "", nil
+}
+
+// sealRetention is how long records sealed with a key may live: the
+// longest TTL and lease of the policy while the key sealed.
+type sealRetention struct {
+	TTL   time.Duration `json:"ttl"`
+	Lease time.Duration `json:"lease"`
+}
+
+func (r sealRetention) MarshalJSON() ([]byte, error) {
+	return json.Marshal(map[string]string{"ttl": r.TTL.String(), "lease": r.Lease.String()})
+}
+
+func (r *sealRetention) UnmarshalJSON(b []byte) error {
+	var m map[string]string
+	if err := json.Unmarshal(b, &m); err != nil {
+		return err
+	}
+	var err error
+	if r.TTL, err = time.ParseDuration(m["ttl"]); err != nil {
+		return err
+	}
+	r.Lease, err = time.ParseDuration(m["lease"])
+	return err
+}
+
+// recordRetention takes the compiled policy into the retention of every
+// key that seals now, writes it into secret's annotations if it grew, and
+// returns it by key id. A key seals while it is first; during the
+// promoted step the previous keys still seal too, in pods started before
+// the promotion. Only what a reconcile sees is recorded: a key whose
+// record began with this version of the controller starts from the
+// policy of its first reconcile.
+func recordRetention(secret *corev1.Secret, keys []string, stage string, compiled *policy.Policy) map[string]sealRetention {
+	retention := map[string]sealRetention{}
+	// An annotation that does not parse is replaced: the policy as it is
+	// now is all there is to go by.
+	_ = json.Unmarshal([]byte(secret.Annotations[annotationSealRetention]), &retention)
+	held := map[string]bool{}
+	for _, k := range keys {
+		held[keyID(k)] = true
+	}
+	maps.DeleteFunc(retention, func(id string, _ sealRetention) bool { return !held[id] })
+	sealing := keys
+	if stage != sealPromoted && len(keys) > 0 {
+		sealing = keys[:1]
+	}
+	ttl, lease := compiled.LongestTTL(), compiled.LeaseDuration
+	for _, k := range sealing {
+		id := keyID(k)
+		r := retention[id]
+		retention[id] = sealRetention{TTL: max(r.TTL, ttl), Lease: max(r.Lease, lease)}
+	}
+	writeRetention(secret, retention)
+	return retention
+}
+
+func writeRetention(secret *corev1.Secret, retention map[string]sealRetention) {
+	b, err := json.Marshal(retention)
+	if err != nil || string(b) == secret.Annotations[annotationSealRetention] {
+		return
+	}
+	if secret.Annotations == nil {
+		secret.Annotations = map[string]string{}
+	}
+	secret.Annotations[annotationSealRetention] = string(b)
 }
 
 func keyID(b64 string) string {

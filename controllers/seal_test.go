@@ -96,3 +96,94 @@ func TestSealKeyRotation(t *testing.T) {
 	assertEvent(t, ns, "payments", "SealKeyRotation", "now seals")
 	assertEvent(t, ns, "payments", "SealKeyRotation", "dropped the previous seal keys")
 }
+
+// TestSealKeyKeptForTheLongestTTLItSealedUnder: the previous key is kept
+// for the longest TTL the policy had while the key sealed, not the TTL at
+// the step where it stops sealing: records sealed under 72h live 72h
+// however the TTL changes meanwhile. Before, the key was kept for the TTL
+// of that step (1h here), and a record with 70h left no longer opened, so
+// its call ran again.
+func TestSealKeyKeptForTheLongestTTLItSealedUnder(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		// ttls: the policy's TTL when it is created, then during the
+		// rotation while the old key still seals.
+		ttls []time.Duration
+	}{
+		{"shortened", []time.Duration{72 * time.Hour, time.Hour}},
+		{"lengthened, then shortened", []time.Duration{time.Hour, 72 * time.Hour, time.Hour}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ctx := context.Background()
+			ns := newNamespace(t)
+			p := managedPolicy(ns, "payments")
+			p.Spec.TTL = &metav1.Duration{Duration: tc.ttls[0]}
+			p.Spec.LeaseDuration = &metav1.Duration{Duration: time.Second}
+			if err := k8s.Create(ctx, p); err != nil {
+				t.Fatal(err)
+			}
+			name := client.ObjectKey{Namespace: ns, Name: controllers.SealName("payments")}
+			var secret corev1.Secret
+			eventually(t, "the seal Secret", func() error { return k8s.Get(ctx, name, &secret) })
+
+			// A pod from before the rotation holds it at its first step,
+			// where the old key still seals.
+			time.Sleep(1100 * time.Millisecond) // creation times have whole seconds
+			old := injectedPod(t, ns, "old", "payments", nil, true)
+			time.Sleep(1100 * time.Millisecond)
+			before := secret.DeepCopy()
+			if secret.Annotations == nil {
+				secret.Annotations = map[string]string{}
+			}
+			secret.Annotations[controllers.AnnotationRotateSealKey] = "now"
+			if err := k8s.Patch(ctx, &secret, client.MergeFrom(before)); err != nil {
+				t.Fatal(err)
+			}
+			eventually(t, "the new key added for opening", func() error {
+				if keys, _ := sealKeys(t, ns, "payments"); len(keys) != 2 {
+					return fmt.Errorf("%d keys", len(keys))
+				}
+				return nil
+			})
+
+			for _, ttl := range tc.ttls[1:] {
+				pol := getPolicy(t, ns, "payments")
+				patch := client.MergeFrom(pol.DeepCopy())
+				pol.Spec.TTL = &metav1.Duration{Duration: ttl}
+				if err := k8s.Patch(ctx, pol, patch); err != nil {
+					t.Fatal(err)
+				}
+				// The status is written after the seal key's step: a
+				// status of this generation saw the TTL.
+				eventually(t, fmt.Sprintf("the policy with TTL %v reconciled", ttl), func() error {
+					if p := getPolicy(t, ns, "payments"); p.Status.ObservedGeneration != pol.Generation {
+						return fmt.Errorf("observedGeneration %d, want %d", p.Status.ObservedGeneration, pol.Generation)
+					}
+					return nil
+				})
+			}
+
+			if err := k8s.Delete(ctx, old, client.GracePeriodSeconds(0)); err != nil {
+				t.Fatal(err)
+			}
+			var retireAfter time.Time
+			eventually(t, "the old key retiring", func() error {
+				_, s := sealKeys(t, ns, "payments")
+				if s.Annotations["idemcp.io/seal-rotation-stage"] != "retiring" {
+					return fmt.Errorf("stage %q", s.Annotations["idemcp.io/seal-rotation-stage"])
+				}
+				var err error
+				retireAfter, err = time.Parse(time.RFC3339Nano, s.Annotations["idemcp.io/seal-retire-after"])
+				return err
+			})
+			// 72h, plus the lease and the grace for clock skew (shortened in
+			// this suite, export_test.go).
+			if left := time.Until(retireAfter); left < 72*time.Hour || left > 72*time.Hour+10*time.Minute {
+				t.Errorf("the old key goes in %v, want 72h and a few minutes: it sealed records under a TTL of 72h", left.Round(time.Minute))
+			}
+			if keys, _ := sealKeys(t, ns, "payments"); len(keys) != 2 {
+				t.Errorf("%d keys while the old one retires, want 2", len(keys))
+			}
+		})
+	}
+}

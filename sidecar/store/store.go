@@ -18,7 +18,12 @@ const (
 	Won State = iota + 1
 	// Completed means a response is stored; replay it.
 	Completed
-	// Pending means another owner holds a live lease; wait or reject.
+	// Pending means another owner holds a live lease; wait or reject. A
+	// store that replicates may also report a completed record Pending
+	// while it cannot yet vouch that the record survives a failover (Redis
+	// with MinReplicas: its replicas have not acknowledged it): a replay
+	// must never hand out a result the store can still lose. Its Wait
+	// then returns soon, and the next Reserve looks again.
 	Pending
 	// Abandoned means the owner's lease ran out before it completed, and the
 	// caller did not ask to take the claim over.

@@ -121,6 +121,7 @@ func TestChaosSentinelFailover(t *testing.T) {
 		t.Errorf("no failover happened in %v", r.duration)
 	}
 	r.write(t)
+	r.writeSeed(t)
 }
 
 // section is what one chaos test runs.
@@ -413,6 +414,9 @@ func run(t *testing.T, sec section, duration time.Duration) *report {
 	}
 	if r.mismatches != 0 {
 		t.Errorf("%d retries of a completed call got a different result than the one stored", r.mismatches)
+	}
+	if r.replayedLost != 0 {
+		t.Errorf("%d replays handed out a result no replica had, which a failover then lost, and a retry ran the call again", r.replayedLost)
 	}
 	if r.codes["other"] != 0 {
 		t.Errorf("%d attempts got neither a result nor a clear idemcp error", r.codes["other"])
@@ -907,7 +911,7 @@ func (r *report) String() string {
 	row("replays that differed (must be 0)", r.mismatches)
 	row("re-run after a claim lapsed in a Redis pause or a slow restart (Retry only)", r.superseded)
 	row("re-run after its sidecar was killed between answering and storing (Retry only)", r.lostWithSide)
-	row("replayed before a replica had it, then lost with its sidecar in a failover (known limit, Retry only)", r.replayedLost)
+	row("replayed before a replica had it, then lost with its sidecar in a failover (must be 0)", r.replayedLost)
 	row("ran again before any answer: a take-over of a claim whose owner was killed or cut off for a lease (Retry only)", r.raced)
 	row("of which with no sidecar killed and the store in reach: a lost claim (must be 0)", r.lostClaims)
 	row("calls left without an answer", r.unanswered)
@@ -936,16 +940,64 @@ func (r *report) write(t *testing.T) {
 	if os.Getenv("CHAOS_RECORD") != "1" {
 		return
 	}
-	path := "results.md"
-	old, _ := os.ReadFile(path)
+	sections := readResults()
+	sections[r.title] = "\n" + r.String()
+	writeResults(t, sections)
+}
+
+// writeSeed records the run as one row, by seed, of a section of
+// results.md that holds a run of each seed, when CHAOS_RECORD_SEEDS=1
+// (make chaos-sentinel-seeds).
+func (r *report) writeSeed(t *testing.T) {
+	if os.Getenv("CHAOS_RECORD_SEEDS") != "1" {
+		return
+	}
+	const header = "| seed | logical calls | executions | failovers (forced / primary killed / unplanned) | longest failover | duplicates | replays that differed | replayed, then lost in a failover | lost claims | test |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n"
+	title := r.title + ", by seed"
+	sections := readResults()
+	rows := map[int]string{}
+	for _, line := range strings.Split(sections[title], "\n") {
+		cells := strings.Split(line, "|")
+		if len(cells) < 3 {
+			continue
+		}
+		if seed, err := strconv.Atoi(strings.TrimSpace(cells[1])); err == nil {
+			rows[seed] = line
+		}
+	}
+	verdict := "pass"
+	if t.Failed() {
+		verdict = "FAIL"
+	}
+	rows[int(r.seed)] = fmt.Sprintf("| %d | %d | %d | %d / %d / %d | %v | %d | %d | %d | %d | %s |", r.seed, r.logical, r.executions,
+		r.faults[faultFailoverForced], r.faults[faultFailoverKilled], r.faults[faultFailoverUnplanned], r.longestFailover.Round(time.Millisecond),
+		r.duplicates, r.mismatches, r.replayedLost, r.lostClaims, verdict)
+	var b strings.Builder
+	fmt.Fprintf(&b, "\nWritten by `make chaos-sentinel-seeds`: one run of %v per seed, each row the last run of its seed.\n\n%s", r.duration, header)
+	for _, seed := range slices.Sorted(maps.Keys(rows)) {
+		b.WriteString(rows[seed] + "\n")
+	}
+	sections[title] = b.String()
+	writeResults(t, sections)
+}
+
+const resultsPath = "results.md"
+
+// readResults reads the sections of results.md by title.
+func readResults() map[string]string {
+	old, _ := os.ReadFile(resultsPath)
 	sections := map[string]string{}
 	for _, part := range strings.Split(string(old), "\n## ")[1:] {
 		title, rest, _ := strings.Cut(part, "\n")
 		sections[title] = rest
 	}
-	sections[r.title] = "\n" + r.String()
+	return sections
+}
+
+func writeResults(t *testing.T, sections map[string]string) {
+	path := resultsPath
 	var b strings.Builder
-	b.WriteString("# Chaos run results\n\nWritten by `make chaos-record` (`CHAOS_RECORD=1 go test -race ./test/chaos`); `make test` runs the same tests and prints the same table. Each section is the last recorded run of its test.\n")
+	b.WriteString("# Chaos run results\n\nWritten by `make chaos-record` (`CHAOS_RECORD=1 go test -race ./test/chaos`); `make test` runs the same tests and prints the same table. Each section is the last recorded run of its test; a section \"by seed\" holds the last run of each seed (`make chaos-sentinel-seeds`).\n")
 	for _, k := range slices.Sorted(maps.Keys(sections)) {
 		fmt.Fprintf(&b, "\n## %s\n%s", k, strings.TrimLeft(sections[k], "\n"))
 	}

@@ -358,7 +358,8 @@ func testSidecarKilledMidCall(t *testing.T, bin string, st *sharedStore, onAband
 func TestRedisMinReplicas(t *testing.T) {
 	primary := redistest.Start(t)
 	replica := redistest.StartReplica(t, primary)
-	opts := redisStore(primary).options(testPrefix(t))
+	prefix := testPrefix(t)
+	opts := redisStore(primary).options(prefix)
 	opts.RedisMinReplicas, opts.RedisReplicaTimeout = 1, 2*time.Second
 	f := newFleetWith(t, revisions[0], "spec: {onAbandoned: Error, onStoreUnavailable: FailClosed}", opts, 1)
 	cs := f.connect(t, f.proxies[0].URL, clientOpts{})
@@ -366,6 +367,25 @@ func TestRedisMinReplicas(t *testing.T) {
 	mustCall(t, cs, "charge_card", map[string]any{"card": "1", "amount": 1}, nil)
 	if n := f.srv.Counts.Get("charge_card"); n != 1 {
 		t.Fatalf("with the replica up charge_card ran %d times, want 1", n)
+	}
+	// The sidecar stores the result just after answering: the replay below
+	// is of a result the replica acknowledged (a result only the primary
+	// has is not replayed; TestReplayOnlyWhatReplicasHave in the store).
+	acknowledged := `local n = 0
+for _, k in ipairs(redis.call('KEYS', ARGV[1])) do
+  if redis.call('TYPE', k).ok == 'hash' and redis.call('HGET', k, 'a') == '1' then n = n + 1 end
+end
+return n`
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		n, err := redistest.Do(primary.Addr, "EVAL", acknowledged, "0", prefix+"*")
+		if err == nil && n == "1" {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the first result was not acknowledged by the replica within 10s: %q, %v", n, err)
+		}
+		time.Sleep(20 * time.Millisecond)
 	}
 
 	replica.Pause()
@@ -378,7 +398,8 @@ func TestRedisMinReplicas(t *testing.T) {
 	if n := f.srv.Counts.Get("charge_card"); n != 1 {
 		t.Fatalf("the call whose claim no replica acknowledged ran: charge_card ran %d times, want 1", n)
 	}
-	// A stored result is still replayed: a replay writes nothing.
+	// A result the replica acknowledged is still replayed: that replay
+	// writes nothing and waits for nobody.
 	if res := mustCall(t, cs, "charge_card", map[string]any{"card": "1", "amount": 1}, nil); !replayed(res) {
 		t.Error("with the replica stopped a stored result was not replayed")
 	}

@@ -102,8 +102,9 @@ type Verdict struct {
 	// only (the owner had stored it, but no replica had acknowledged it
 	// yet) that a failover then lost, since the owner's sidecar was killed
 	// before storing it again; a retry ran the call again and answered
-	// differently (Retry only). A known limit (docs/failure-modes.md):
-	// replays do not wait for replicas.
+	// differently (Retry only). Must be 0 with --redis-min-replicas: a
+	// replay of a result the replicas have not acknowledged confirms it
+	// first (docs/failure-modes.md).
 	ReplayedThenLost int
 	// LostClaims: raced executions that no kill of a sidecar and no lapse
 	// explains: the store lost a live claim. Must be 0.

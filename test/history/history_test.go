@@ -103,7 +103,7 @@ func TestClassify(t *testing.T) {
 			{From: at(0), At: at(100), Body: "a", Sidecar: 0}, {From: at(150), At: at(150), Body: "a", Replayed: true, Sidecar: 1},
 			{From: at(2900), At: at(3100), Body: "b", Sidecar: 2},
 		}}, Kills: []Window{{From: at(200), To: at(600), Sidecar: 0}}},
-		want: Verdict{Executions: 2, LostWithSidecar: 1, ReplayedThenLost: 1},
+		want: Verdict{Executions: 2, LostWithSidecar: 1, ReplayedThenLost: 1}, fails: true,
 	}, {
 		name: "a retry answered differently after a take-over: allowed",
 		h: History{Retry: true, Executions: map[string][]time.Time{"c": {at(10), at(2000)}}, Completions: map[string][]Completion{"c": {
@@ -118,7 +118,7 @@ func TestClassify(t *testing.T) {
 			if got != tc.want {
 				t.Errorf("Classify() = %+v, want %+v", got, tc.want)
 			}
-			if fails := got.Duplicates != 0 || got.Mismatches != 0 || got.LostClaims != 0; fails != tc.fails {
+			if fails := got.Duplicates != 0 || got.Mismatches != 0 || got.LostClaims != 0 || got.ReplayedThenLost != 0; fails != tc.fails {
 				t.Errorf("the run fails: %v, want %v", fails, tc.fails)
 			}
 		})

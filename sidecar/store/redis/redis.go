@@ -43,6 +43,10 @@ const (
 	DefaultReplicaTimeout = time.Second
 )
 
+// unconfirmedPause is how long Wait holds a caller whose Reserve found a
+// result its replicas had not acknowledged, before it tries again.
+const unconfirmedPause = 100 * time.Millisecond
+
 // Options says how to reach Redis.
 type Options struct {
 	// Addrs: one address for a standalone Redis; the seed nodes of a
@@ -94,6 +98,11 @@ type Options struct {
 	// replicas within ReplicaTimeout fails with ErrUnavailable (it did
 	// reach the primary; a claim is then released by the engine), so the
 	// policy's onStoreUnavailable decides, as for a store that is down.
+	// A result is replayed only once that many replicas acknowledged it: a
+	// Reserve that finds one they have not (its Complete fell short, or
+	// is still waiting) writes and waits again, and reports it Pending if
+	// they still fall short, so a retry never gets a result that a
+	// failover can still lose.
 	MinReplicas int
 	// ReplicaTimeout bounds the wait for MinReplicas (default
 	// DefaultReplicaTimeout; a shorter deadline of the caller wins).
@@ -233,16 +242,23 @@ func (s *Store) Reserve(ctx context.Context, c store.Claim) (store.Reservation, 
 	if c.Discard != nil {
 		discard = "1"
 	}
+	confirm := "0"
+	if s.replicas > 0 {
+		confirm = "1"
+	}
 	res, err := s.write(ctx, "reserve", c.Key, reserveScript, func(r any) bool {
 		code, _ := field[int64](asSlice(r), 0)
-		return code == codeWon || code == codeTookOver
-	}, c.Fingerprint, c.Owner, millis(c.Lease), millis(max(c.Retention, c.Lease)), takeOver, discard, c.Discard)
-	if err != nil {
-		return store.Reservation{}, err
-	}
+		return code == codeWon || code == codeTookOver || code == codeUnconfirmed
+	}, c.Fingerprint, c.Owner, millis(c.Lease), millis(max(c.Retention, c.Lease)), takeOver, discard, c.Discard, confirm)
 	reply := asSlice(res)
 	code, _ := field[int64](reply, 0)
 	fp, _ := field[string](reply, 1)
+	if code == codeUnconfirmed {
+		return s.confirmed(ctx, c.Key, reply, err)
+	}
+	if err != nil {
+		return store.Reservation{}, err
+	}
 	switch code {
 	case codeWon:
 		return store.Reservation{State: store.Won}, nil
@@ -257,6 +273,29 @@ func (s *Store) Reserve(ctx context.Context, c store.Claim) (store.Reservation, 
 		return store.Reservation{State: store.Abandoned, Fingerprint: fp}, nil
 	}
 	return store.Reservation{}, unavailable("reserve", c.Key, fmt.Errorf("unexpected reply %v", reply))
+}
+
+// confirmed settles a Reserve that found a completed record its replicas
+// have not acknowledged: the owner's Complete is still waiting for them, or
+// failed to get them, or the mark of it was lost in a failover. Replaying
+// it could hand out a result that a failover then loses, and the next
+// retry would run the call again. So the reserve wrote to the record and
+// waited for MinReplicas (werr is that wait's failure). Acknowledged, the
+// record is marked so and replayed. Not, it is reported Pending, as if its
+// call were still running, whatever the failure: the result exists, so the
+// call must not run again (Wait paces the next try); the engine answers
+// the retry with its retry-later error once waitTimeout is over (at once
+// under inFlight: Reject).
+func (s *Store) confirmed(ctx context.Context, key string, reply []any, werr error) (store.Reservation, error) {
+	fp, _ := field[string](reply, 1)
+	if werr != nil {
+		return store.Reservation{State: store.Pending, Fingerprint: fp}, nil
+	}
+	resp, _ := field[string](reply, 2)
+	nonce, _ := field[string](reply, 3)
+	// Best effort: without the mark the next replay confirms again.
+	_ = ackScript.Run(ctx, s.client, []string{s.prefix + key}, nonce).Err()
+	return store.Reservation{State: store.Completed, Fingerprint: fp, Response: []byte(resp)}, nil
 }
 
 func asSlice(r any) []any {
@@ -288,7 +327,8 @@ func (s *Store) owned(ctx context.Context, op, key string, sc *redis.Script, arg
 
 // write runs a script on key. With MinReplicas set, a script that wrote
 // (as wrote says of its reply) is followed by WAIT on the same connection,
-// since WAIT counts the replicas that have that connection's writes.
+// since WAIT counts the replicas that have that connection's writes. A
+// failed WAIT returns the script's reply with its error.
 func (s *Store) write(ctx context.Context, op, key string, sc *redis.Script, wrote func(any) bool, args ...any) (any, error) {
 	full := s.prefix + key
 	if s.replicas == 0 {
@@ -317,10 +357,10 @@ func (s *Store) write(ctx context.Context, op, key string, sc *redis.Script, wro
 	}
 	acked, err := conn.Wait(ctx, s.replicas, timeout).Result()
 	if err != nil {
-		return nil, unavailable(op, key, fmt.Errorf("waiting for %d replicas: %w", s.replicas, err))
+		return r, unavailable(op, key, fmt.Errorf("waiting for %d replicas: %w", s.replicas, err))
 	}
 	if acked < int64(s.replicas) {
-		return nil, unavailable(op, key, fmt.Errorf("%w: written on the primary, but %d of the %d replicas required (MinReplicas) acknowledged it within %v",
+		return r, unavailable(op, key, fmt.Errorf("%w: written on the primary, but %d of the %d replicas required (MinReplicas) acknowledged it within %v",
 			ErrTooFewReplicas, acked, s.replicas, timeout))
 	}
 	return r, nil
@@ -351,9 +391,19 @@ func (s *Store) Renew(ctx context.Context, key, owner string, lease time.Duratio
 	return s.owned(ctx, "renew", key, renewScript, owner, millis(lease))
 }
 
-// Complete implements store.Store.
+// Complete implements store.Store. With MinReplicas set, a result its
+// replicas acknowledged is marked so (ackScript): only a marked result is
+// replayed without confirming it first (see confirmed).
 func (s *Store) Complete(ctx context.Context, key, owner string, response []byte, ttl time.Duration) error {
-	return s.owned(ctx, "complete", key, completeScript, owner, response, millis(ttl), rand.Text(), s.channel)
+	nonce := rand.Text()
+	if err := s.owned(ctx, "complete", key, completeScript, owner, response, millis(ttl), nonce, s.channel); err != nil {
+		return err
+	}
+	if s.replicas > 0 {
+		// Best effort: without the mark the first replay confirms it.
+		_ = ackScript.Run(ctx, s.client, []string{s.prefix + key}, nonce).Err()
+	}
+	return nil
 }
 
 // Release implements store.Store. A Release that go-redis re-sends after a
@@ -390,13 +440,31 @@ func (s *Store) Wait(ctx context.Context, key string) error {
 	defer timer.Stop()
 	for {
 		resub := s.waiters.resubscribed()
-		left, err := probeScript.Run(ctx, s.client, []string{full}).Int64()
+		confirm := "0"
+		if s.replicas > 0 {
+			confirm = "1"
+		}
+		left, err := probeScript.Run(ctx, s.client, []string{full}, confirm).Int64()
 		if err != nil {
 			if ctx.Err() != nil {
 				// The caller's wait is over; that is not Redis's fault.
 				return ctx.Err()
 			}
 			return unavailable("wait", key, err)
+		}
+		if left == -1 {
+			// A result Reserve could not yet confirm with its replicas
+			// (see confirmed): no wake-up says when they are back, so the
+			// next Reserve tries again after a pause.
+			timer.Reset(unconfirmedPause)
+			select {
+			case <-timer.C:
+				return nil
+			case <-ctx.Done():
+				return ctx.Err()
+			case <-s.waiters.closed:
+				return fmt.Errorf("redis wait %s: %w: store closed", key, store.ErrUnavailable)
+			}
 		}
 		if left <= 0 {
 			return nil

@@ -534,6 +534,55 @@ func TestMinReplicas(t *testing.T) {
 	}, "claims to succeed once the replica is back")
 }
 
+// TestReplayOnlyWhatReplicasHave: with MinReplicas a result that only the
+// primary holds (its Complete fell short of replicas: the owner's sidecar
+// may die before it stores it again, and a failover then loses it) is not
+// replayed: the retry is told the call is still running, until the
+// replicas confirm the result; from then on it replays without waiting.
+// Before, the retry got the result, and the chaos run saw a failover lose
+// it and a later retry run the call again (ReplayedThenLost).
+func TestReplayOnlyWhatReplicasHave(t *testing.T) {
+	primary := redistest.Start(t)
+	replica := redistest.StartReplica(t, primary)
+	s := newStore(t, redisstore.Options{Addrs: []string{primary.Addr}, MinReplicas: 1, ReplicaTimeout: 300 * time.Millisecond})
+	ctx := context.Background()
+
+	c := claim("lonely", time.Minute)
+	if r, err := s.Reserve(ctx, c); err != nil || r.State != store.Won {
+		t.Fatalf("Reserve with the replica up: %v, %v", r.State, err)
+	}
+	replica.Pause()
+	defer replica.Resume()
+	if err := s.Complete(ctx, c.Key, c.Owner, []byte("result"), time.Minute); !errors.Is(err, redisstore.ErrTooFewReplicas) {
+		t.Fatalf("Complete with the replica stopped: %v, want ErrTooFewReplicas", err)
+	}
+	retry := claim("lonely", time.Minute)
+	if r, err := s.Reserve(ctx, retry); err != nil || r.State != store.Pending || r.Fingerprint != retry.Fingerprint {
+		t.Fatalf("retry of a result only the primary has: %v %q, %v; want pending (never a replay a failover can lose)", r.State, r.Response, err)
+	}
+	// A waiter is let go to try again, not held for the lease.
+	wctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	if err := s.Wait(wctx, "lonely"); err != nil {
+		t.Fatalf("Wait on a result still to be confirmed: %v", err)
+	}
+
+	replica.Resume()
+	waitFor(t, func() bool {
+		r, err := s.Reserve(ctx, retry)
+		return err == nil && r.State == store.Completed && string(r.Response) == "result"
+	}, "the retry to replay the result once the replica has it")
+	if v, _ := redistest.Do(replica.Addr, "HGET", prefix(t)+"lonely", "r"); v != "result" {
+		t.Fatalf("the replayed result is %q on the replica, want it there", v)
+	}
+	// Confirmed once, it replays with the replica away, as a result whose
+	// Complete the replica acknowledged does.
+	replica.Pause()
+	if r, err := s.Reserve(ctx, retry); err != nil || r.State != store.Completed || string(r.Response) != "result" {
+		t.Fatalf("replay of a confirmed result with the replica stopped: %v %q, %v", r.State, r.Response, err)
+	}
+}
+
 func TestMinReplicasNegative(t *testing.T) {
 	_, err := redisstore.New(redisstore.Options{Addrs: []string{"127.0.0.1:1"}, MinReplicas: -1})
 	if err == nil || !strings.Contains(err.Error(), "MinReplicas -1") {

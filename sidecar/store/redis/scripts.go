@@ -15,6 +15,10 @@ import "github.com/redis/go-redis/v9"
 //	w  set once someone waits, so that Complete and Release publish a
 //	   wake-up only when it can matter (PUBLISH is broadcast to every node
 //	   of a Redis Cluster)
+//	a  set once MinReplicas replicas acknowledged the stored result (a
+//	   WAIT after the Complete, or after a replay's confirmation, returned
+//	   enough): a failover to one of them keeps it. Without it a replay
+//	   first confirms the result (see reserveScript)
 //
 // Every script touches exactly one key, KEYS[1], so each runs on the node
 // owning that key's slot and the layout works unchanged on Redis Cluster.
@@ -38,13 +42,19 @@ const (
 	codePending   = 3
 	codeAbandoned = 4
 	codeTookOver  = 5
+	// codeUnconfirmed: completed, but not yet acknowledged by MinReplicas
+	// replicas. The script wrote to the record, so that a WAIT on its
+	// connection covers the stored result.
+	codeUnconfirmed = 6
 )
 
 // reserveScript: ARGV = fingerprint, owner, lease ms, keep ms (max of
 // retention and lease), takeover ("1" or "0"), discard ("1" or "0"), the
-// response to discard. Replies {code, fingerprint, response}.
+// response to discard, confirm ("1": a completed record without a must be
+// confirmed before it is replayed). Replies {code, fingerprint, response}
+// or, for codeUnconfirmed, {code, fingerprint, response, nonce}.
 var reserveScript = redis.NewScript(nowMillis + `
-local rec = redis.call('HMGET', KEYS[1], 's', 'fp', 'o', 'l', 'r')
+local rec = redis.call('HMGET', KEYS[1], 's', 'fp', 'o', 'l', 'r', 'a', 'n')
 local now = now_ms()
 -- A completed record the caller could not open is replaced, only if it is
 -- still exactly the one the caller read.
@@ -60,6 +70,12 @@ if not rec[1] then
 end
 local fp = rec[2] or ''
 if rec[1] == 'c' then
+  if ARGV[8] == '1' and not rec[6] then
+    -- Replication is one ordered stream: once a replica acknowledges this
+    -- write, it has the Complete before it too.
+    redis.call('HINCRBY', KEYS[1], 'k', 1)
+    return {6, fp, rec[5] or '', rec[7] or ''}
+  end
   return {2, fp, rec[5] or ''}
 end
 -- Our own claim: this Reserve was re-sent after its reply was lost, maybe
@@ -131,6 +147,20 @@ end
 return 1
 `)
 
+// ackScript: ARGV = nonce. Marks the completed record as acknowledged by
+// MinReplicas replicas, if it still holds the result of the Complete (or
+// confirmation) whose WAIT said so. Replies 1, or 0 if the record changed.
+// It needs no WAIT of its own: a failover that loses the mark keeps the
+// record unacknowledged, and its next replay confirms it again.
+var ackScript = redis.NewScript(`
+local rec = redis.call('HMGET', KEYS[1], 's', 'n')
+if rec[1] ~= 'c' or rec[2] ~= ARGV[1] then
+  return 0
+end
+redis.call('HSET', KEYS[1], 'a', '1')
+return 1
+`)
+
 // releaseScript: ARGV = owner, wake channel. Replies 1, or 0 if not the
 // owner.
 var releaseScript = redis.NewScript(`
@@ -146,11 +176,15 @@ return 1
 `)
 
 // probeScript replies the milliseconds left on a pending claim's lease, or
-// 0 if the key is not pending under a live lease. A live claim is marked as
-// waited on in the same step, so its Complete or Release cannot miss a
-// waiter that saw it pending.
+// 0 if the key is not pending under a live lease, or -1 for a completed
+// record still to be confirmed (ARGV[1] "1", as in reserveScript). A live
+// claim is marked as waited on in the same step, so its Complete or
+// Release cannot miss a waiter that saw it pending.
 var probeScript = redis.NewScript(nowMillis + `
-local rec = redis.call('HMGET', KEYS[1], 's', 'l')
+local rec = redis.call('HMGET', KEYS[1], 's', 'l', 'a')
+if rec[1] == 'c' and ARGV[1] == '1' and not rec[3] then
+  return -1
+end
 if rec[1] ~= 'p' then
   return 0
 end
@@ -162,4 +196,4 @@ redis.call('HSET', KEYS[1], 'w', '1')
 return left
 `)
 
-var allScripts = []*redis.Script{reserveScript, renewScript, completeScript, releaseScript, probeScript}
+var allScripts = []*redis.Script{reserveScript, renewScript, completeScript, ackScript, releaseScript, probeScript}
