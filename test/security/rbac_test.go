@@ -38,6 +38,10 @@ var managerRole = map[grant][]string{
 	// never written by this role; the webhook reads LimitRanges.
 	{"", "pods", ""}:        {"get", "list", "watch"},
 	{"", "limitranges", ""}: {"get", "list", "watch"},
+	// A namespace's UID, read (as metadata) to make it a second owner of a
+	// policy's managed Redis, so that no deletion of the policy, however
+	// propagated, removes the store while pods still use it.
+	{"", "namespaces", ""}: {"get"},
 	// A managed Redis's volume claim is read, never written.
 	{"", "persistentvolumeclaims", ""}: {"get"},
 	// Redis passwords and the webhook's certificate: created, read and
