@@ -11,12 +11,11 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
-	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/klog/v2"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"github.com/idemcp/idemcp/api/v1alpha1"
+	"github.com/idemcp/idemcp/controllers/policystream"
 	"github.com/idemcp/idemcp/internal/bounded"
 )
 
@@ -80,19 +79,7 @@ func (r *IdempotencyPolicyReconciler) writeUnobservedSidecars(ctx context.Contex
 	meta.SetStatusCondition(&p.Status.Conditions, cond)
 	cond = *meta.FindStatusCondition(p.Status.Conditions, cond.Type)
 	p.Status.Sidecars = &sidecars
-	sc, err := runtime.DefaultUnstructuredConverter.ToUnstructured(&sidecars)
-	if err != nil {
-		return err
-	}
-	cc, err := runtime.DefaultUnstructuredConverter.ToUnstructured(&cond)
-	if err != nil {
-		return err
-	}
-	u := &unstructured.Unstructured{Object: map[string]any{"status": map[string]any{"sidecars": sc, "conditions": []any{cc}}}}
-	u.SetGroupVersionKind(v1alpha1.GroupVersion.WithKind("IdempotencyPolicy"))
-	u.SetNamespace(p.Namespace)
-	u.SetName(p.Name)
-	err = r.Status().Apply(ctx, client.ApplyConfigurationFromUnstructured(u), client.FieldOwner(v1alpha1.FieldManagerPolicyStream), client.ForceOwnership)
+	err := policystream.ApplyStatus(ctx, r.Client, client.ObjectKeyFromObject(p), sidecars, cond)
 	if err != nil && !apierrors.IsNotFound(err) {
 		return fmt.Errorf("applying the sidecars' status of %s: %w", klog.KObj(p), err)
 	}

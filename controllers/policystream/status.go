@@ -230,6 +230,26 @@ func (s *Server) writeStatus(ctx context.Context, key types.NamespacedName, gene
 	if old := meta.FindStatusCondition(current.Status.Conditions, cond.Type); old != nil && old.Status == cond.Status {
 		cond.LastTransitionTime = old.LastTransitionTime
 	}
+	err := ApplyStatus(ctx, s.client, key, sidecars, cond)
+	if apierrors.IsNotFound(err) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("applying the status of %s: %w", key, err)
+	}
+	s.mu.Lock()
+	if st := s.policies[key]; st != nil {
+		st.written = string(fingerprint)
+	}
+	s.mu.Unlock()
+	return nil
+}
+
+// ApplyStatus writes a policy's status.sidecars and one condition
+// (SidecarsSynced) with server-side apply under the policy stream's field
+// manager, the fields' one owner: the stream's sessions write them, and the
+// reconciler does when no stream runs (--policy-stream-bind-address=0).
+func ApplyStatus(ctx context.Context, c client.Client, key types.NamespacedName, sidecars v1alpha1.SidecarsStatus, cond metav1.Condition) error {
 	sc, err := runtime.DefaultUnstructuredConverter.ToUnstructured(&sidecars)
 	if err != nil {
 		return err
@@ -243,17 +263,5 @@ func (s *Server) writeStatus(ctx context.Context, key types.NamespacedName, gene
 	u.SetKind("IdempotencyPolicy")
 	u.SetNamespace(key.Namespace)
 	u.SetName(key.Name)
-	err = s.client.Status().Apply(ctx, client.ApplyConfigurationFromUnstructured(u), client.FieldOwner(v1alpha1.FieldManagerPolicyStream), client.ForceOwnership)
-	if apierrors.IsNotFound(err) {
-		return nil
-	}
-	if err != nil {
-		return fmt.Errorf("applying the status of %s: %w", key, err)
-	}
-	s.mu.Lock()
-	if st := s.policies[key]; st != nil {
-		st.written = string(fingerprint)
-	}
-	s.mu.Unlock()
-	return nil
+	return c.Status().Apply(ctx, client.ApplyConfigurationFromUnstructured(u), client.FieldOwner(v1alpha1.FieldManagerPolicyStream), client.ForceOwnership)
 }
