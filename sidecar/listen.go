@@ -22,11 +22,15 @@ const (
 	adminIdleTimeout       = 10 * time.Second
 	adminMaxHeaderBytes    = 16 << 10
 	// adminMaxConns bounds the admin connections held at once, and
-	// adminMaxConnsPerClient those of one IP address, so that one pod
-	// holding connections open cannot keep the kubelet's probes out (they
-	// come from the node's address): a sidecar that fails its liveness
-	// probe is restarted, and every call it was running becomes "outcome
-	// unknown".
+	// adminMaxConnsPerClient those of one IP address: one pod holding
+	// connections open takes at most 16, and cannot alone keep out the
+	// kubelet's probes (from the node's address). Several pods together
+	// can still hold all 128, and then HTTP probes get 503: that is why
+	// the webhook makes the liveness probe a TCP connect (a connection
+	// accepted and answered 503 is alive), so the sidecar is not
+	// restarted and the calls it runs do not become "outcome unknown";
+	// readiness may fail meanwhile, which takes the pod out of its
+	// Service's endpoints, not its calls.
 	adminMaxConns          = 128
 	adminMaxConnsPerClient = 16
 )

@@ -45,7 +45,12 @@ type Options struct {
 	// IPs, which the webhook sets from the Downward API (httpproxy's
 	// dial.go says why).
 	UpstreamDialIPs string
-	PolicyFile      string
+	// UpstreamHost, if set, is the Host of the sidecar's own requests (the
+	// tool listing), and the only Host under which a tools/list response
+	// passing through teaches Auto ("": the upstream URL's host, and any
+	// Host).
+	UpstreamHost string
+	PolicyFile   string
 	// RetryWindow, when not 0, overrides the policy's spec.retryWindow
 	// (--retry-window), for a sidecar run without a manager.
 	RetryWindow time.Duration
@@ -175,6 +180,7 @@ func (o *Options) Flags(fs *flag.FlagSet) {
 	fs.StringVar(&o.Listen, "listen", ":8081", "address the proxy listens on")
 	fs.StringVar(&o.Upstream, "upstream", "", "URL of the MCP server, such as http://127.0.0.1:8080 (required)")
 	fs.StringVar(&o.UpstreamDialIPs, "upstream-dial-ips", "", "IP addresses, comma-separated, where the sidecar connects to the upstream's port first, falling back to --upstream's host when nothing listens there; the webhook sets the pod's IPs, so that the MCP server sees requests to its pod IP, not loopback (empty: --upstream's host only)")
+	fs.StringVar(&o.UpstreamHost, "upstream-host", "", "the Host of the sidecar's own tool listing, for a server that allows only its public host names (such as mcp.shop.svc); then only tools/list responses to requests with this Host teach defaultMode Auto (empty: --upstream's host, and any Host)")
 	fs.StringVar(&o.PolicyFile, "policy-file", "", "an IdempotencyPolicy YAML file; only its spec is used (default: Memory store, Session scope, Auto, 24h TTL, 10m retry window)")
 	fs.StringVar(&o.Policy, "policy", "", "an inline IdempotencyPolicy manifest (YAML or JSON), as the webhook injects it; exclusive with --policy-file")
 	fs.DurationVar(&o.RetryWindow, "retry-window", 0, RetryWindowFlag)
@@ -256,6 +262,11 @@ func New(o Options) (*Sidecar, error) {
 	if err != nil || (up.Scheme != "http" && up.Scheme != "https") || up.Host == "" {
 		return nil, fmt.Errorf("--upstream: %q is not an http:// or https:// URL with a host", o.Upstream)
 	}
+	if h := o.UpstreamHost; h != "" {
+		if u, err := url.Parse("http://" + h); err != nil || u.Host != h || u.User != nil {
+			return nil, fmt.Errorf("--upstream-host: %q is not a host name with an optional port, such as mcp.shop.svc", h)
+		}
+	}
 	dialIPs, err := parseDialIPs(o.UpstreamDialIPs)
 	if err != nil {
 		return nil, err
@@ -298,13 +309,16 @@ func New(o Options) (*Sidecar, error) {
 
 		MaxStreamsPerPrincipal: o.Limits.MaxStreamsPerPrincipal,
 		MaxStreams:             o.Limits.MaxStreams,
+		// The listing's target and the tap's: the configuration's.
+		ToolsListPath: httpproxy.DefaultToolsListPath(up),
+		ToolsListHost: o.UpstreamHost,
 	})
 	// Auto needs each tool's readOnlyHint before its first call: the
 	// sidecar lists the tools itself rather than wait for a client to.
 	lt := httpproxy.NewTransport()
 	lt.MaxIdleConns, lt.MaxIdleConnsPerHost = 2, 2
 	lt.DialContext = dialer.DialContext
-	lh := toollist.NewHTTP(&http.Client{Timeout: 30 * time.Second, Transport: lt}, up)
+	lh := toollist.NewHTTP(&http.Client{Timeout: 30 * time.Second, Transport: lt}, up, o.UpstreamHost)
 	lister := toollist.New(toollist.Options{Hints: eng.Hints(), List: lh.List, Registerer: reg, Logger: log, Listed: eng.ReportAnnotations})
 	lh.OnChanged(lister.Changed)
 	return &Sidecar{

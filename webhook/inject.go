@@ -438,7 +438,16 @@ func sidecarContainer(p *v1alpha1.IdempotencyPolicy, cfg Config, plan *portPlan,
 			{Name: PortNameAdmin, ContainerPort: plan.adminPort, Protocol: corev1.ProtocolTCP},
 		},
 		ReadinessProbe: probe("/readyz"),
-		LivenessProbe:  probe("/healthz"),
+		// Liveness is a TCP connect: any pod can reach the admin port, and
+		// pods holding all of its connections make HTTP probes get 503
+		// (sidecar/listen.go). A connection accepted, even to be answered
+		// 503, shows the process alive; restarting it would make every
+		// call in flight "outcome unknown". Readiness and startup stay
+		// HTTP: they gate traffic, not the container's life.
+		LivenessProbe: &corev1.Probe{
+			ProbeHandler:  corev1.ProbeHandler{TCPSocket: &corev1.TCPSocketAction{Port: intstr.FromString(PortNameAdmin)}},
+			PeriodSeconds: 10, TimeoutSeconds: 2, FailureThreshold: 3,
+		},
 		StartupProbe: &corev1.Probe{
 			ProbeHandler:  corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/healthz", Port: intstr.FromString(PortNameAdmin)}},
 			PeriodSeconds: 1, FailureThreshold: 30,

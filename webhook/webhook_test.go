@@ -83,6 +83,19 @@ func envValue(c corev1.Container, name string) *corev1.EnvVar {
 	return nil
 }
 
+// livenessSurvivesAFullAdminPort: the sidecar's liveness probe is a TCP
+// connect to the admin port. Pods holding all of the admin port's
+// connections make an HTTP probe get 503; a connection accepted and
+// answered 503 still shows the sidecar alive, so it is not restarted
+// (which would make every call in flight "outcome unknown").
+func livenessSurvivesAFullAdminPort(t *testing.T, c *corev1.Container) {
+	t.Helper()
+	pr := c.LivenessProbe
+	if pr == nil || pr.TCPSocket == nil || pr.HTTPGet != nil || pr.TCPSocket.Port.String() != webhook.PortNameAdmin {
+		t.Errorf("liveness probe %+v is not a TCP connect to the admin port: a full admin port (503) would get the sidecar restarted", pr)
+	}
+}
+
 func TestInjectsOptedInPod(t *testing.T) {
 	ctx := context.Background()
 	ns := namespace(t, true)
@@ -115,14 +128,15 @@ func TestInjectsOptedInPod(t *testing.T) {
 	if p := c.Ports[0]; p.Name != "mcp" || p.ContainerPort != 15480 {
 		t.Errorf("sidecar port %+v, want mcp/15480", p)
 	}
-	for _, pr := range []*corev1.Probe{c.ReadinessProbe, c.LivenessProbe} {
+	for _, pr := range []*corev1.Probe{c.ReadinessProbe, c.StartupProbe} {
 		if pr == nil || pr.HTTPGet == nil || pr.HTTPGet.Port.String() != webhook.PortNameAdmin {
-			t.Errorf("probe %+v is not on the admin port", pr)
+			t.Errorf("probe %+v is not an HTTP GET on the admin port", pr)
 		}
 	}
-	if c.ReadinessProbe.HTTPGet.Path != "/readyz" || c.LivenessProbe.HTTPGet.Path != "/healthz" {
-		t.Errorf("probe paths %s %s", c.ReadinessProbe.HTTPGet.Path, c.LivenessProbe.HTTPGet.Path)
+	if c.ReadinessProbe.HTTPGet.Path != "/readyz" || c.StartupProbe.HTTPGet.Path != "/healthz" {
+		t.Errorf("probe paths %s %s", c.ReadinessProbe.HTTPGet.Path, c.StartupProbe.HTTPGet.Path)
 	}
+	livenessSurvivesAFullAdminPort(t, &c)
 	if c.Resources.Requests.Cpu().String() != "50m" || c.Resources.Limits.Cpu().String() != "500m" ||
 		c.Resources.Requests.Memory().String() != "64Mi" || c.Resources.Limits.Memory().String() != "128Mi" {
 		t.Errorf("resources %+v", c.Resources)

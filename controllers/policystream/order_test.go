@@ -72,4 +72,39 @@ func TestSnapshotsAreOrdered(t *testing.T) {
 	check("the policy created again", pass, "y", 1)
 	s.observePolicy(obj("x", created, 5, dedup))
 	check("a late event of the deleted policy", pass, "y", 1)
+	s.observePolicy(obj("x", created, 6, pass))
+	check("another late event of the deleted policy", pass, "y", 1)
+	s.forgetPolicy(obj("x", created, 6, pass))
+	check("the deleted policy's late delete", pass, "y", 1)
+	s.observePolicy(obj("y", later, 2, dedup))
+	check("generation 2 of the policy created again", dedup, "y", 2)
+}
+
+// TestReplacedPolicyIsSentWhateverItsCreationTime: kubectl replace --force
+// on API servers with skewed clocks can stamp the new object earlier than
+// the one it replaced. The manager sends the new one (the sidecars apply
+// it), whether it learns of it before or after the old one's delete.
+func TestReplacedPolicyIsSentWhateverItsCreationTime(t *testing.T) {
+	key := types.NamespacedName{Namespace: "shop", Name: "payments"}
+	created := metav1.NewTime(time.Date(2026, 11, 1, 10, 0, 0, 0, time.UTC))
+	earlier := metav1.NewTime(created.Add(-2 * time.Second))
+	obj := func(uid string, created metav1.Time, gen int64, mode v1alpha1.ToolMode) *v1alpha1.IdempotencyPolicy {
+		return &v1alpha1.IdempotencyPolicy{ObjectMeta: metav1.ObjectMeta{Namespace: key.Namespace, Name: key.Name,
+			UID: types.UID(uid), CreationTimestamp: created, Generation: gen, ResourceVersion: "1"},
+			Spec: v1alpha1.IdempotencyPolicySpec{DefaultMode: mode}}
+	}
+	for _, deleteFirst := range []bool{true, false} {
+		s := &Server{policies: map[types.NamespacedName]*policyState{}}
+		s.observePolicy(obj("old", created, 5, v1alpha1.ModeDeduplicate))
+		if deleteFirst {
+			s.forgetPolicy(obj("old", created, 5, v1alpha1.ModeDeduplicate))
+		}
+		s.observePolicy(obj("new", earlier, 1, v1alpha1.ModePassthrough))
+		s.mu.Lock()
+		snap := s.state(key).snap
+		s.mu.Unlock()
+		if snap == nil || snap.order.UID != "new" {
+			t.Errorf("delete first %v: the snapshot is %+v, want the new object's", deleteFirst, snap)
+		}
+	}
 }

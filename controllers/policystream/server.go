@@ -21,6 +21,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -121,10 +122,15 @@ type Server struct {
 type policyState struct {
 	snap       *snapshot
 	generation int64
-	streams    map[*stream]struct{}
-	dirty      bool
-	written    string // the last status written, to skip identical writes
-	enc        *encodedSnapshot
+	// gone are the UIDs of objects of this name deleted or replaced by
+	// another (the last few): their late events, from a cache behind a
+	// fresh read, never come back. Creation times are not compared: API
+	// servers' clocks may be skewed.
+	gone    []string
+	streams map[*stream]struct{}
+	dirty   bool
+	written string // the last status written, to skip identical writes
+	enc     *encodedSnapshot
 }
 
 type snapshot struct {
@@ -370,10 +376,10 @@ func (s *Server) state(key types.NamespacedName) *policyState {
 }
 
 // observePolicy takes a policy from the cache or a fresh read; an older
-// one than the one known (an earlier generation, or a policy deleted and
-// created again since, whose last events come after the fresh read of
-// the new one) never replaces it. A newer generation of the same spec
-// moves the snapshot's order on: a sidecar that refused an older one from
+// one than the one known (an earlier generation, or an object since
+// deleted or replaced, whose last events come after the fresh read of the
+// new one) never replaces it. A newer generation of the same spec moves
+// the snapshot's order on: a sidecar that refused an older one from
 // another replica must get it.
 func (s *Server) observePolicy(o any) {
 	p, ok := o.(*v1alpha1.IdempotencyPolicy)
@@ -387,10 +393,16 @@ func (s *Server) observePolicy(o any) {
 	defer s.mu.Unlock()
 	st := s.state(key)
 	st.dirty = true
+	if slices.Contains(st.gone, order.UID) {
+		return
+	}
 	if err != nil || (st.snap != nil && policywire.Older(order, st.snap.order)) || (st.snap == nil && p.Generation < st.generation) {
 		// A spec that does not compile is the reconciler's to report
 		// (InvalidSpec); sidecars keep the last good one.
 		return
+	}
+	if st.snap != nil && st.snap.order.UID != order.UID {
+		st.forget(st.snap.order.UID) // replaced: deleted and created again
 	}
 	st.generation = p.Generation
 	if st.snap != nil && st.snap.version == compiled.Hash {
@@ -423,9 +435,27 @@ func (s *Server) forgetPolicy(o any) {
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	// Sidecars keep their last policy; nothing newer will come.
 	st := s.state(types.NamespacedName{Namespace: p.Namespace, Name: p.Name})
+	st.forget(string(p.UID))
+	if st.snap != nil && st.snap.order.UID != string(p.UID) {
+		return // the late delete of an object already replaced
+	}
+	// Sidecars keep their last policy; nothing newer will come.
 	st.snap, st.generation, st.written = nil, 0, ""
+}
+
+// maxGone bounds policyState.gone.
+const maxGone = 8
+
+// forget records that the object uid is deleted or replaced.
+func (st *policyState) forget(uid string) {
+	if uid == "" || slices.Contains(st.gone, uid) {
+		return
+	}
+	if len(st.gone) == maxGone {
+		st.gone = st.gone[1:]
+	}
+	st.gone = append(st.gone, uid)
 }
 
 func (s *Server) podChanged(o any, gone bool) {

@@ -52,10 +52,10 @@ type Snapshot struct {
 	// rotation does not cut it off.
 	CABundle string `json:"caBundle,omitempty"`
 	// Order places this Snapshot among the versions of the policy: a
-	// sidecar never replaces a policy with one Older than it (a manager
-	// replica whose cache is behind, or a late snapshot of a policy since
-	// deleted and created again). Nil from managers before it was added:
-	// such a Snapshot is applied as it comes.
+	// sidecar never replaces a policy with one Older than it (an earlier
+	// generation of the same object, from a manager replica whose cache is
+	// behind). Nil from managers before it was added: such a Snapshot is
+	// applied as it comes.
 	Order *Order `json:"order,omitempty"`
 }
 
@@ -76,15 +76,14 @@ func (a Order) Equal(b Order) bool {
 }
 
 // Older reports whether a is known to come before b: an earlier
-// generation of the same object, or any generation of an object created
-// before b's (b's policy was deleted and created again since). Objects of
-// different UIDs created in the same second cannot be told apart: neither
-// is Older.
+// generation of the same object. Objects of different UIDs are never
+// Older than each other: their creation times come from API servers whose
+// clocks may be skewed (kubectl replace --force, or Argo CD's
+// Replace=true, can give the new object an earlier creationTimestamp than
+// the one it replaced), and the manager forgets a policy's UID when it is
+// deleted, so across UIDs what it sends is the policy.
 func Older(a, b Order) bool {
-	if a.UID == b.UID {
-		return a.Generation < b.Generation
-	}
-	return a.Created.Before(b.Created)
+	return a.UID == b.UID && a.Generation < b.Generation
 }
 
 // Report is the sidecar's answer, sidecar to manager.

@@ -35,6 +35,9 @@ const (
 type hint struct {
 	readOnly, idempotent       bool
 	hasReadOnly, hasIdempotent bool
+	// conflict: one listing named the tool twice, with different
+	// annotations; Auto deduplicates it as unknown.
+	conflict bool
 }
 
 // classify resolves a tool's mode: a rule's Deduplicate or Passthrough
@@ -51,7 +54,7 @@ func (h *ToolHints) classify(mode v1alpha1.ToolMode, tool string) (dedup bool, r
 	}
 	t, known := h.lookup(tool)
 	switch {
-	case !known:
+	case !known || t.conflict:
 		return true, ByUnknown
 	case t.readOnly:
 		return false, ByReadOnlyHint
@@ -227,7 +230,7 @@ func (h *ToolHints) unannotated() []string {
 	defer h.mu.RUnlock()
 	var names []string
 	for name, t := range h.tools {
-		if !t.hasReadOnly && !t.hasIdempotent {
+		if !t.hasReadOnly && !t.hasIdempotent && !t.conflict {
 			names = append(names, name)
 		}
 	}
@@ -236,20 +239,33 @@ func (h *ToolHints) unannotated() []string {
 }
 
 // ObserveListResult learns from the result of a tools/list response, read
-// with the strict decoder: an ambiguous tool entry teaches nothing. It
-// returns the page's nextCursor.
+// with the strict decoder: an ambiguous tool entry teaches nothing, and a
+// tool named twice with different annotations is taken as unknown (the
+// last entry must not decide: [{delete, readOnlyHint: false}, {delete,
+// idempotentHint: true}] would pass it through). It returns the page's
+// nextCursor.
 func (h *ToolHints) ObserveListResult(result json.RawMessage) string {
 	tools, next, err := mcpmsg.DecodeToolsList(result)
 	if err != nil {
 		return ""
 	}
-	h.mu.Lock()
-	defer h.mu.Unlock()
+	page := make(map[string]hint, len(tools))
 	for _, t := range tools {
-		if _, known := h.tools[t.Name]; !known && len(h.tools) >= maxHints {
+		n := hint{readOnly: t.ReadOnly, idempotent: t.Idempotent, hasReadOnly: t.HasReadOnly, hasIdempotent: t.HasIdempotent}
+		if seen, dup := page[t.Name]; dup && seen != n {
+			n = hint{conflict: true}
+		} else if dup {
 			continue
 		}
-		h.tools[t.Name] = hint{readOnly: t.ReadOnly, idempotent: t.Idempotent, hasReadOnly: t.HasReadOnly, hasIdempotent: t.HasIdempotent}
+		page[t.Name] = n
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	for name, n := range page {
+		if _, known := h.tools[name]; !known && len(h.tools) >= maxHints {
+			continue
+		}
+		h.tools[name] = n
 	}
 	return next
 }

@@ -107,3 +107,34 @@ func TestReportAnnotations(t *testing.T) {
 		t.Errorf("after the list changed, log %q does not name get and list", out)
 	}
 }
+
+// TestConflictingDuplicateToolsAreDeduplicated: a listing that names one
+// tool twice with different annotations says nothing reliable of it: the
+// tool is deduplicated as unknown, whichever entry comes last. Identical
+// duplicates keep their hint.
+func TestConflictingDuplicateToolsAreDeduplicated(t *testing.T) {
+	for _, listing := range []string{
+		`{"tools":[{"name":"delete","annotations":{"readOnlyHint":false}},{"name":"delete","annotations":{"idempotentHint":true}}]}`,
+		`{"tools":[{"name":"delete","annotations":{"idempotentHint":true}},{"name":"delete","annotations":{"readOnlyHint":false}}]}`,
+		`{"tools":[{"name":"delete","annotations":{"readOnlyHint":true}},{"name":"delete"}]}`,
+		`{"tools":[{"name":"delete"},{"name":"delete","annotations":{"readOnlyHint":true}}]}`,
+	} {
+		e := New(Options{Policy: mustPolicy(t, "spec: {}"), Store: store.NewMemory(0)})
+		e.Hints().ObserveListResult(json.RawMessage(listing))
+		if !e.Deduplicates("delete") {
+			t.Errorf("%s: delete is passed through", listing)
+		}
+		tc, _ := ParseToolCall(json.RawMessage(`{"name":"delete","arguments":{}}`))
+		if p, err := e.Plan(tc, alice); err != nil || p == nil {
+			t.Errorf("%s: a call to delete is not deduplicated (%v)", listing, err)
+		}
+		if n := counter(e.Metrics().Classified.WithLabelValues(ByUnknown, "deduplicate")); n != 1 {
+			t.Errorf("%s: counted as unknown %v times, want 1", listing, n)
+		}
+	}
+	e := New(Options{Policy: mustPolicy(t, "spec: {}"), Store: store.NewMemory(0)})
+	e.Hints().ObserveListResult(json.RawMessage(`{"tools":[{"name":"look","annotations":{"readOnlyHint":true}},{"name":"look","annotations":{"readOnlyHint":true}}]}`))
+	if e.Deduplicates("look") {
+		t.Error("a tool listed twice alike, read-only, is deduplicated")
+	}
+}

@@ -84,6 +84,17 @@ type Options struct {
 	// (mcpmsg.CodeOverloaded). 0 means the defaults; negative, no bound.
 	MaxStreamsPerPrincipal int
 	MaxStreams             int
+	// ToolsListPath is the MCP endpoint's path at the upstream, where the
+	// sidecar's own tool listing goes ("": the Upstream URL's path, or
+	// /mcp). A tools/list response that passes through teaches Auto only
+	// when its request went there (with no query of the client's): a
+	// client must not change what Auto believes by listing another
+	// endpoint of the server.
+	ToolsListPath string
+	// ToolsListHost, if set, is the Host of the sidecar's own listing
+	// (--upstream-host); then a tools/list response that passes through
+	// teaches Auto only when its request carried that Host too.
+	ToolsListHost string
 }
 
 // Proxy is an http.Handler.
@@ -144,6 +155,9 @@ func New(o Options) *Proxy {
 	if o.Logger == nil {
 		o.Logger = slog.New(slog.DiscardHandler)
 	}
+	if o.ToolsListPath == "" {
+		o.ToolsListPath = DefaultToolsListPath(o.Upstream)
+	}
 	p := &Proxy{
 		opts:    o,
 		engine:  o.Engine,
@@ -176,6 +190,15 @@ func New(o Options) *Proxy {
 		ErrorLog:       slog.NewLogLogger(o.Logger.Handler(), slog.LevelDebug),
 	}
 	return p
+}
+
+// DefaultToolsListPath is where the MCP endpoint is at upstream, when
+// nothing else says: the URL's path, or /mcp.
+func DefaultToolsListPath(upstream *url.URL) string {
+	if upstream.Path == "" || upstream.Path == "/" {
+		return "/mcp"
+	}
+	return upstream.Path
 }
 
 type ctxKey int

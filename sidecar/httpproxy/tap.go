@@ -5,6 +5,8 @@ import (
 	"io"
 	"mime"
 	"net/http"
+	"net/url"
+	"strings"
 
 	"github.com/idemcp/idemcp/sidecar/mcpmsg"
 )
@@ -20,15 +22,34 @@ func (p *Proxy) modifyResponse(resp *http.Response) error {
 }
 
 // tapToolsList lets tools/list responses teach the engine each tool's
-// readOnlyHint as they stream by, for defaultMode: Auto.
+// annotations as they stream by, for defaultMode: Auto, when their request
+// went to the MCP endpoint the sidecar is configured with.
 func (p *Proxy) tapToolsList(resp *http.Response) error {
-	if v, _ := resp.Request.Context().Value(toolsListKey).(bool); !v || resp.StatusCode != http.StatusOK {
+	if v, _ := resp.Request.Context().Value(toolsListKey).(bool); !v || resp.StatusCode != http.StatusOK || !p.atToolsListEndpoint(resp.Request) {
 		return nil
 	}
 	mt, _, _ := mime.ParseMediaType(resp.Header.Get("Content-Type"))
 	resp.Body = &tap{ReadCloser: resp.Body, sse: mt == "text/event-stream", encoding: resp.Header.Values("Content-Encoding"),
 		observe: p.observeToolsList}
 	return nil
+}
+
+// atToolsListEndpoint reports whether out, a request to the upstream, went
+// where the sidecar's own listing goes: the configured path (a trailing
+// slash aside), no query of the client's, and the configured Host when
+// there is one. Hints are one map for the whole server, so a listing of
+// another path or virtual host of it (a sandbox, another tenant, where a
+// tool of the same name may be marked idempotent) must not teach Auto:
+// it would turn dedup off for everyone's calls.
+func (p *Proxy) atToolsListEndpoint(out *http.Request) bool {
+	want := (&url.URL{Path: p.opts.ToolsListPath}).EscapedPath()
+	if strings.TrimSuffix(out.URL.EscapedPath(), "/") != strings.TrimSuffix(want, "/") {
+		return false
+	}
+	if out.URL.RawQuery != p.opts.Upstream.RawQuery {
+		return false
+	}
+	return p.opts.ToolsListHost == "" || strings.EqualFold(out.Host, p.opts.ToolsListHost)
 }
 
 func (p *Proxy) observeToolsList(msg []byte) {

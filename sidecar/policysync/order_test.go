@@ -31,10 +31,11 @@ func newFakeEngine() *fakeEngine {
 	return e
 }
 
-// TestNeverAppliesAnOlderPolicy: a snapshot older than the policy the
-// sidecar enforces (an earlier generation, or a policy deleted and created
-// again since) is NACKed and the policy kept, whichever manager sends it;
-// the same policy sent again with an older order is acknowledged.
+// TestNeverAppliesAnOlderPolicy: a snapshot of an earlier generation of
+// the object the sidecar enforces is NACKed and the policy kept, whichever
+// manager sends it; the same policy sent again with an older order is
+// acknowledged. A snapshot of another object (UID) is applied: the manager
+// forgets a deleted policy's UID, so across UIDs it is trusted.
 func TestNeverAppliesAnOlderPolicy(t *testing.T) {
 	eng := newFakeEngine()
 	c, err := New(Options{Endpoint: "https://manager", Namespace: "shop", Name: "pay", Token: func() (string, error) { return "t", nil }, Engine: eng})
@@ -59,9 +60,8 @@ func TestNeverAppliesAnOlderPolicy(t *testing.T) {
 		{name: "generation 1 from a replica that is behind", snap: at(pass, "u1", created, 1), nack: true},
 		{name: "generation 1 of the policy it enforces", snap: at(dedup, "u1", created, 1)},
 		{name: "generation 3", snap: at(pass, "u1", created, 3)},
-		{name: "a policy of the same name created before it", snap: at(dedup, "u0", created.Add(-time.Hour), 9), nack: true},
 		{name: "the policy created again", snap: at(dedup, "u2", created.Add(time.Hour), 1)},
-		{name: "the deleted one, late", snap: at(pass, "u1", created, 4), nack: true},
+		{name: "generation 1 of it from a replica that is behind", snap: at(pass, "u2", created.Add(time.Hour), 0), nack: true},
 	}
 	var enforced *policywire.Snapshot
 	for _, s := range steps {
@@ -78,6 +78,67 @@ func TestNeverAppliesAnOlderPolicy(t *testing.T) {
 		if got := eng.Policy().Hash; got != enforced.Version {
 			t.Fatalf("%s: enforcing %s, want %s", s.name, got, enforced.Version)
 		}
+	}
+}
+
+// TestAppliesAReplacedPolicyCreatedEarlierByTheClock: kubectl replace
+// --force (or Argo CD's Replace=true) deletes the policy and creates it
+// again; on API servers with skewed clocks the new object can carry an
+// earlier creationTimestamp than the old. The sidecar applies the new
+// object's policy, and then its later generations, instead of refusing
+// every new policy until its pod restarts.
+func TestAppliesAReplacedPolicyCreatedEarlierByTheClock(t *testing.T) {
+	eng := newFakeEngine()
+	c, err := New(Options{Endpoint: "https://manager", Namespace: "shop", Name: "pay", Token: func() (string, error) { return "t", nil }, Engine: eng})
+	if err != nil {
+		t.Fatal(err)
+	}
+	created := time.Date(2026, 11, 1, 10, 0, 0, 0, time.UTC)
+	at := func(mode v1alpha1.ToolMode, uid string, created time.Time, gen int64) *policywire.Snapshot {
+		s := snapshotOf(t, v1alpha1.IdempotencyPolicySpec{DefaultMode: mode}, "")
+		s.Order = &policywire.Order{UID: uid, Created: created, Generation: gen}
+		return s
+	}
+	for _, s := range []*policywire.Snapshot{
+		at(v1alpha1.ModeDeduplicate, "old", created, 5),
+		at(v1alpha1.ModePassthrough, "new", created.Add(-2*time.Second), 1), // replaced; a skewed clock
+		at(v1alpha1.ModeAuto, "new", created.Add(-2*time.Second), 2),
+	} {
+		if _, nack := c.apply(s); nack != "" {
+			t.Fatalf("generation %d of %s: NACK %q, want it applied", s.Order.Generation, s.Order.UID, nack)
+		}
+		if got := eng.Policy().Hash; got != s.Version {
+			t.Fatalf("generation %d of %s: enforcing %s, want %s", s.Order.Generation, s.Order.UID, got, s.Version)
+		}
+	}
+}
+
+// TestRestoredPolicyNACKSaysWhy: after an etcd restore the policy's
+// generation goes back while its UID stays. The sidecar keeps what it
+// enforces, and its NACK (which the policy's status shows) says that a
+// restore is the likely cause and what to do.
+func TestRestoredPolicyNACKSaysWhy(t *testing.T) {
+	eng := newFakeEngine()
+	c, err := New(Options{Endpoint: "https://manager", Namespace: "shop", Name: "pay", Token: func() (string, error) { return "t", nil }, Engine: eng})
+	if err != nil {
+		t.Fatal(err)
+	}
+	created := time.Date(2026, 11, 1, 10, 0, 0, 0, time.UTC)
+	now := snapshotOf(t, v1alpha1.IdempotencyPolicySpec{DefaultMode: v1alpha1.ModeDeduplicate}, "")
+	now.Order = &policywire.Order{UID: "u1", Created: created, Generation: 7}
+	if _, nack := c.apply(now); nack != "" {
+		t.Fatal(nack)
+	}
+	restored := snapshotOf(t, v1alpha1.IdempotencyPolicySpec{DefaultMode: v1alpha1.ModePassthrough}, "")
+	restored.Order = &policywire.Order{UID: "u1", Created: created, Generation: 3}
+	_, nack := c.apply(restored)
+	for _, want := range []string{"generation 3", "generation 7", "restore", "restart"} {
+		if !strings.Contains(nack, want) {
+			t.Errorf("NACK %q does not say %q", nack, want)
+		}
+	}
+	if eng.Policy().Hash != now.Version {
+		t.Error("the restored, older generation was applied")
 	}
 }
 

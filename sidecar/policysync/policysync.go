@@ -412,10 +412,15 @@ func (c *Client) apply(snap *policywire.Snapshot) (restart, nack string) {
 	}
 	same := enforced == p.Hash
 	if snap.Order != nil && c.order != nil && policywire.Older(*snap.Order, *c.order) && !same {
-		// A manager replica whose cache is behind, or a policy since
-		// deleted and created again: applying it would undo a change.
-		return "", fmt.Sprintf("policy %s (generation %d of %s) is older than the one this sidecar enforces (%s, generation %d of %s); keeping it",
-			p.Hash, snap.Order.Generation, snap.Order.UID, enforced, c.order.Generation, c.order.UID)
+		// An earlier generation of the object enforced: a manager
+		// replica whose cache is behind, whose snapshot would undo a
+		// change. Or the API server's data was restored from a backup,
+		// which sets the generation back under the same UID: then this
+		// holds until the pod restarts (or the generation passes the one
+		// enforced), and the NACK, shown in the policy's status, says so.
+		return "", fmt.Sprintf("policy %s (generation %d of %s) is older than the one this sidecar enforces (%s, generation %d of %s); keeping it. "+
+			"If the policy was restored from a backup (an etcd restore sets its generation back), restart the pods to take it, or change its spec until its generation passes %d",
+			p.Hash, snap.Order.Generation, snap.Order.UID, enforced, c.order.Generation, c.order.UID, c.order.Generation)
 	}
 	if c.o.StoreIdentity != "" && policywire.StoreIdentity(p.Spec.Store) != c.o.StoreIdentity {
 		restart = "the policy's store changed; this sidecar keeps the store it started with until its pod restarts"

@@ -11,7 +11,6 @@ import (
 	"net/http"
 	"net/url"
 	"strconv"
-	"sync"
 	"sync/atomic"
 
 	"github.com/idemcp/idemcp/sidecar/engine"
@@ -32,30 +31,31 @@ const UserAgent = "idemcp-sidecar (tool listing)"
 // speak.
 const listVersion = "2025-11-25"
 
-// HTTP lists a Streamable HTTP server's tools. Its endpoint is the path
-// clients post MCP messages to: learned from their traffic (see Watch),
-// and until then the upstream URL's path, or /mcp. Its requests carry the
-// Host clients send, learned the same way: a server that allows only its
-// public host names (against DNS rebinding) refuses the upstream URL's.
+// HTTP lists a Streamable HTTP server's tools. Where it lists is the
+// sidecar's configuration, never a client's request: the upstream URL's
+// path (or /mcp), with the Host given to NewHTTP (--upstream-host) or the
+// upstream URL's. A client that could move the listing to another path or
+// virtual host of the server (a sandbox where a tool of the same name is
+// idempotent) would change what Auto believes, for every client.
 type HTTP struct {
 	client   *http.Client
 	upstream *url.URL
-
-	mu   sync.Mutex
-	path string
-	host string // "": the upstream URL's
+	path     string
+	host     string // "": the upstream URL's
 
 	changed atomic.Pointer[func()]
 	seq     atomic.Int64
 }
 
-// NewHTTP returns a lister transport for the server at upstream.
-func NewHTTP(client *http.Client, upstream *url.URL) *HTTP {
-	h := &HTTP{client: client, upstream: upstream, path: upstream.Path}
-	if h.path == "" || h.path == "/" {
-		h.path = "/mcp"
+// NewHTTP returns a lister transport for the server at upstream; its
+// requests carry host as their Host ("": the upstream URL's). A server
+// that allows only its public host names (against DNS rebinding) needs it.
+func NewHTTP(client *http.Client, upstream *url.URL, host string) *HTTP {
+	path := upstream.Path
+	if path == "" || path == "/" {
+		path = "/mcp"
 	}
-	return h
+	return &HTTP{client: client, upstream: upstream, path: path, host: host}
 }
 
 // OnChanged sets what to do when a response through Watch carries a
@@ -69,23 +69,17 @@ type target struct{ url, host string }
 func (t target) String() string { return t.url }
 
 func (h *HTTP) endpoint() target {
-	h.mu.Lock()
-	defer h.mu.Unlock()
 	u := *h.upstream
 	u.Path, u.RawPath, u.RawQuery = h.path, "", ""
 	return target{url: u.String(), host: h.host}
 }
 
-// Watch wraps the proxy's handler: Streamable HTTP POSTs tell the
-// endpoint's path, and responses are watched for
-// notifications/tools/list_changed (on any stream, legacy included).
+// Watch wraps the proxy's handler: responses are watched for
+// notifications/tools/list_changed (on any stream, legacy included). A
+// notification only makes the tools be listed again, at the configured
+// endpoint.
 func (h *HTTP) Watch(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if r.Method == http.MethodPost && (r.Header.Get("Mcp-Session-Id") != "" || r.Header.Get("Mcp-Protocol-Version") != "") {
-			h.mu.Lock()
-			h.path, h.host = r.URL.Path, r.Host
-			h.mu.Unlock()
-		}
 		next.ServeHTTP(&watchWriter{ResponseWriter: w, h: h}, r)
 	})
 }

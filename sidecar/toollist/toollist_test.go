@@ -14,6 +14,7 @@ import (
 	dto "github.com/prometheus/client_model/go"
 
 	"github.com/idemcp/idemcp/sidecar/engine"
+	"github.com/idemcp/idemcp/sidecar/store"
 )
 
 // sdkServer is a real Go SDK server with one tool per page; the last is
@@ -47,7 +48,7 @@ func TestHTTPListsEveryPageOnItsOwnSession(t *testing.T) {
 		srv, deletes := sdkServer(t, stateless)
 		u, _ := url.Parse(srv.URL + "/mcp")
 		hints := engine.NewToolHints()
-		l := New(Options{Hints: hints, List: NewHTTP(http.DefaultClient, u).List})
+		l := New(Options{Hints: hints, List: NewHTTP(http.DefaultClient, u, "").List})
 		start := time.Now()
 		if !hints.ReadOnly("c_read") {
 			t.Errorf("stateless=%v: c_read (readOnlyHint, on the last page) is not known read-only", stateless)
@@ -87,7 +88,7 @@ func unknownCalls(l *Lister) float64 {
 // the stream splits it across writes.
 func TestWatchSeesListChangedAcrossWrites(t *testing.T) {
 	u, _ := url.Parse("http://127.0.0.1:1")
-	h := NewHTTP(http.DefaultClient, u)
+	h := NewHTTP(http.DefaultClient, u, "")
 	var changed atomic.Int64
 	h.OnChanged(func() { changed.Add(1) })
 	event := "event: message\ndata: {\"jsonrpc\":\"2.0\",\"method\":\"notifications/tools/list_changed\"}\n\n"
@@ -111,11 +112,11 @@ func TestWatchSeesListChangedAcrossWrites(t *testing.T) {
 	}
 }
 
-// TestHTTPListsWithTheClientsHost: a server that allows only its public
-// host name (as SDKs do against DNS rebinding, given a list of allowed
-// hosts) refuses the lister until a client's request through the proxy
-// tells it the Host clients use; then the listing works.
-func TestHTTPListsWithTheClientsHost(t *testing.T) {
+// TestHTTPListsWithTheConfiguredHost: a server that allows only its
+// public host name (as SDKs do against DNS rebinding, given a list of
+// allowed hosts) refuses the lister with the upstream URL's Host, and
+// answers it with the Host configured (--upstream-host).
+func TestHTTPListsWithTheConfiguredHost(t *testing.T) {
 	s := mcp.NewServer(&mcp.Implementation{Name: "named", Version: "1"}, nil)
 	mcp.AddTool(s, &mcp.Tool{Name: "c_read", Annotations: &mcp.ToolAnnotations{ReadOnlyHint: true}},
 		func(context.Context, *mcp.CallToolRequest, struct{}) (*mcp.CallToolResult, struct{}, error) {
@@ -131,18 +132,49 @@ func TestHTTPListsWithTheClientsHost(t *testing.T) {
 	}))
 	t.Cleanup(srv.Close)
 	u, _ := url.Parse(srv.URL)
-	h := NewHTTP(http.DefaultClient, u)
-	if err := h.List(t.Context(), engine.NewToolHints()); err == nil || !strings.Contains(err.Error(), "403") {
+	if err := NewHTTP(http.DefaultClient, u, "").List(t.Context(), engine.NewToolHints()); err == nil || !strings.Contains(err.Error(), "403") {
 		t.Fatalf("listing with the upstream URL's Host: %v, want the server's 403", err)
 	}
-	req := httptest.NewRequest(http.MethodPost, "http://mcp.shop.svc/mcp", strings.NewReader("{}"))
-	req.Header.Set("Mcp-Protocol-Version", "2025-11-25")
-	h.Watch(http.HandlerFunc(func(http.ResponseWriter, *http.Request) {})).ServeHTTP(httptest.NewRecorder(), req)
 	hints := engine.NewToolHints()
-	if err := h.List(t.Context(), hints); err != nil {
-		t.Fatalf("listing with the clients' Host: %v", err)
+	if err := NewHTTP(http.DefaultClient, u, "mcp.shop.svc").List(t.Context(), hints); err != nil {
+		t.Fatalf("listing with the configured Host: %v", err)
 	}
 	if !hints.ReadOnly("c_read") {
 		t.Error("c_read was not listed as read-only")
+	}
+}
+
+// TestClientsCannotRedirectTheListing: a client's POST through the proxy,
+// to another path and under another Host of the same server (where a tool
+// is marked idempotent), does not move the sidecar's own listing there:
+// the listing stays at the configured path and Host.
+func TestClientsCannotRedirectTheListing(t *testing.T) {
+	prod := mcp.NewServer(&mcp.Implementation{Name: "prod", Version: "1"}, nil)
+	sandbox := mcp.NewServer(&mcp.Implementation{Name: "sandbox", Version: "1"}, nil)
+	noop := func(context.Context, *mcp.CallToolRequest, struct{}) (*mcp.CallToolResult, struct{}, error) {
+		return &mcp.CallToolResult{}, struct{}{}, nil
+	}
+	mcp.AddTool(prod, &mcp.Tool{Name: "charge"}, noop)
+	mcp.AddTool(sandbox, &mcp.Tool{Name: "charge", Annotations: &mcp.ToolAnnotations{IdempotentHint: true}}, noop)
+	opts := &mcp.StreamableHTTPOptions{DisableLocalhostProtection: true}
+	mux := http.NewServeMux()
+	mux.Handle("/mcp", mcp.NewStreamableHTTPHandler(func(*http.Request) *mcp.Server { return prod }, opts))
+	mux.Handle("/sandbox/mcp", mcp.NewStreamableHTTPHandler(func(*http.Request) *mcp.Server { return sandbox }, opts))
+	srv := httptest.NewServer(mux)
+	t.Cleanup(srv.Close)
+	u, _ := url.Parse(srv.URL)
+	h := NewHTTP(http.DefaultClient, u, "")
+	req := httptest.NewRequest(http.MethodPost, "http://sandbox.example/sandbox/mcp", strings.NewReader("{}"))
+	req.Header.Set("Mcp-Protocol-Version", "2025-11-25")
+	h.Watch(http.HandlerFunc(func(http.ResponseWriter, *http.Request) {})).ServeHTTP(httptest.NewRecorder(), req)
+	e := engine.New(engine.Options{Store: store.NewMemory(10)})
+	if err := h.List(t.Context(), e.Hints()); err != nil {
+		t.Fatalf("listing: %v", err)
+	}
+	if !e.Hints().Known("charge") {
+		t.Fatal("charge was not listed")
+	}
+	if !e.Deduplicates("charge") {
+		t.Error("the listing followed a client to /sandbox/mcp, where charge is idempotentHint: true: charge on /mcp is passed through")
 	}
 }
