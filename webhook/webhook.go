@@ -266,9 +266,13 @@ func capitalize(s string) string {
 
 // checkSecrets refuses a pod whose policy would give its sidecar a Secret
 // without the owner's consent (credentials.Check), or a key the Secret
-// does not have (the pod could never start). A Secret that does not exist
-// yet is not refused: the kubelet waits for it, and the policy's status
-// says SecretNotFound (a managed one is being made by the controller).
+// does not have (the pod could never start). A Secret the policy names
+// that does not exist is refused too: consent is read at admission only,
+// so a pod admitted with a secretKeyRef to a missing Secret would get it
+// from the kubelet once someone creates it, labelled or not. The pod could
+// not start without it anyway, and its workload retries. Only the Secrets
+// the controller makes (NAME-redis, NAME-seal) may be missing: it makes
+// them labelled, within seconds of the policy.
 func (i *Injector) checkSecrets(ctx context.Context, ns string, p *v1alpha1.IdempotencyPolicy) error {
 	reader := i.APIReader
 	if reader == nil {
@@ -278,8 +282,11 @@ func (i *Injector) checkSecrets(ctx context.Context, ns string, p *v1alpha1.Idem
 		var secret corev1.Secret
 		err := reader.Get(ctx, client.ObjectKey{Namespace: ns, Name: ref.Name}, &secret)
 		switch {
-		case apierrors.IsNotFound(err):
+		case apierrors.IsNotFound(err) && ref.Managed:
 			continue
+		case apierrors.IsNotFound(err):
+			return refuse(DenySecretNotFound, "Secret %s/%s (%s) does not exist: idemcp gives the sidecar a Secret only once it exists and carries the label %s: %q (its owner's consent), so the pod could not start; create the Secret with that label, or label it once it exists (%s), and the pod's workload retries",
+				ns, ref.Name, ref.Field, credentials.Label, credentials.Value, credentials.LabelCommand(ns, ref.Name))
 		case err != nil:
 			return fmt.Errorf("reading Secret %s/%s (%s): %w", ns, ref.Name, ref.Field, err)
 		}
