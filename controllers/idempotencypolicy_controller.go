@@ -325,7 +325,10 @@ func (s *ownedStatus) setStore(p *v1alpha1.IdempotencyPolicy, status metav1.Cond
 
 // Ready sums the other conditions up, and nothing else: the store's
 // (written here) and the sidecars' (written by the policy stream), so both
-// writers agree on it.
+// writers agree on it. A SidecarsSynced of an older generation says what
+// the sidecars enforced before the last spec edit, not now: it counts as
+// not observed, so kubectl wait --for=condition=Ready (or a GitOps health
+// check) never passes on the previous spec's sync.
 func Ready(generation int64, conds []metav1.Condition, deleting string) metav1.Condition {
 	c := metav1.Condition{Type: v1alpha1.ConditionReady, Status: metav1.ConditionTrue, Reason: v1alpha1.ReasonReady,
 		Message: "the policy is enforced by every sidecar that uses it", ObservedGeneration: generation}
@@ -344,6 +347,9 @@ func Ready(generation int64, conds []metav1.Condition, deleting string) metav1.C
 		c.Status, c.Reason, c.Message = metav1.ConditionFalse, v1alpha1.ReasonStoreNotReady, msg
 	case sidecars == nil:
 		c.Status, c.Reason, c.Message = metav1.ConditionUnknown, v1alpha1.ReasonSyncNotObserved, "the store is ready; what the sidecars enforce is not reported yet"
+	case sidecars.ObservedGeneration < generation:
+		c.Status, c.Reason = metav1.ConditionUnknown, v1alpha1.ReasonSyncNotObserved
+		c.Message = fmt.Sprintf("the store is ready; the sidecars have not reported generation %d of the policy yet (their last report is of generation %d)", generation, sidecars.ObservedGeneration)
 	case sidecars.Status == metav1.ConditionFalse:
 		c.Status, c.Reason, c.Message = metav1.ConditionFalse, v1alpha1.ReasonSidecarsNotSynced, "the sidecars are not synced: "+sidecars.Message
 	case sidecars.Status != metav1.ConditionTrue:
@@ -514,7 +520,8 @@ func (r *IdempotencyPolicyReconciler) SetupWithManager(mgr ctrl.Manager) error {
 
 // deletionOrSidecarsChanged lets through the policy updates that change
 // no generation but change the status: a deletion, or SidecarsSynced
-// (written by the policy stream), on which Ready depends.
+// (written by the policy stream), on which Ready depends, including its
+// observedGeneration alone (the same "3/3 synced", now of the new spec).
 type deletionOrSidecarsChanged struct{ predicate.Funcs }
 
 func (deletionOrSidecarsChanged) Update(e event.UpdateEvent) bool {
@@ -528,7 +535,7 @@ func (deletionOrSidecarsChanged) Update(e event.UpdateEvent) bool {
 	}
 	oc := meta.FindStatusCondition(o.Status.Conditions, v1alpha1.ConditionSidecarsSynced)
 	nc := meta.FindStatusCondition(n.Status.Conditions, v1alpha1.ConditionSidecarsSynced)
-	return (oc == nil) != (nc == nil) || (oc != nil && (oc.Status != nc.Status || oc.Message != nc.Message))
+	return (oc == nil) != (nc == nil) || (oc != nil && (oc.Status != nc.Status || oc.Reason != nc.Reason || oc.Message != nc.Message || oc.ObservedGeneration != nc.ObservedGeneration))
 }
 
 func podToPolicy(_ context.Context, o client.Object) []reconcile.Request {
