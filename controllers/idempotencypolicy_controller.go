@@ -413,9 +413,12 @@ func kindOf(obj client.Object) string {
 	return k[strings.LastIndex(k, ".")+1:]
 }
 
-// ensure creates or updates a child owned by the policy. It refuses an
-// existing object the policy does not control, and records an event when
-// it creates or changes one.
+// ensure creates or updates a child owned by the policy. It adopts one
+// that is the policy's by managedFor but lost its controller reference (a
+// policy of this name deleted without its finalizer: the namespace, its
+// other owner, kept it), refuses any other existing object the policy
+// does not control, and records an event when it creates, adopts or
+// changes one.
 func (r *IdempotencyPolicyReconciler) ensure(ctx context.Context, p *v1alpha1.IdempotencyPolicy, obj client.Object, mutate func()) error {
 	kind := kindOf(obj)
 	key := client.ObjectKeyFromObject(obj)
@@ -434,10 +437,14 @@ func (r *IdempotencyPolicyReconciler) ensure(ctx context.Context, p *v1alpha1.Id
 			if err := r.APIReader.Get(ctx, key, live); err != nil {
 				return fmt.Errorf("reading %s %s: %w", kind, key, err)
 			}
-			if !metav1.IsControlledBy(live, p) {
-				return newConflict(kind, live)
+			switch {
+			case metav1.IsControlledBy(live, p):
+				return nil
+			case managedFor(live, p):
+				// Adopted once the cache has it.
+				return fmt.Errorf("%s %s exists, left by an earlier policy %s, and is not in the cache yet", kind, key, p.Name)
 			}
-			return nil
+			return newConflict(kind, live)
 		}
 		if err != nil {
 			return fmt.Errorf("creating %s %s: %w", kind, key, err)
@@ -448,16 +455,37 @@ func (r *IdempotencyPolicyReconciler) ensure(ctx context.Context, p *v1alpha1.Id
 	case err != nil:
 		return fmt.Errorf("reading %s %s: %w", kind, key, err)
 	}
-	if !metav1.IsControlledBy(obj, p) {
-		return newConflict(kind, obj)
-	}
 	before := obj.DeepCopyObject()
+	adopted := false
+	if !metav1.IsControlledBy(obj, p) {
+		if !managedFor(obj, p) {
+			return newConflict(kind, obj)
+		}
+		// Names are unique: a controller reference to a policy of this
+		// name with another UID is to one that is gone.
+		var refs []metav1.OwnerReference
+		for _, ref := range obj.GetOwnerReferences() {
+			if ref.Controller == nil || !*ref.Controller {
+				refs = append(refs, ref)
+			}
+		}
+		obj.SetOwnerReferences(refs)
+		if err := controllerutil.SetControllerReference(p, obj, r.Scheme); err != nil {
+			return err
+		}
+		adopted = true
+	}
 	mutate()
 	if equalObjects(before, obj) {
 		return nil
 	}
 	if err := r.Update(ctx, obj); err != nil {
 		return fmt.Errorf("updating %s %s: %w", kind, key, err)
+	}
+	if adopted {
+		log.FromContext(ctx).Info("Adopted managed Redis object", "kind", kind, "name", obj.GetName())
+		r.Recorder.Eventf(p, obj, corev1.EventTypeNormal, "Adopted", "Provision", "Adopted %s %s, left by an earlier policy %s (deleted without its finalizer)", kind, obj.GetName(), p.Name)
+		return nil
 	}
 	r.Recorder.Eventf(p, obj, corev1.EventTypeNormal, "Updated", "Provision", "Updated %s %s", kind, obj.GetName())
 	return nil

@@ -100,10 +100,14 @@ func (r *IdempotencyPolicyReconciler) reconcileSealKey(ctx context.Context, p *v
 	if err != nil {
 		return 0, fmt.Errorf("reading Secret %s/%s: %w", p.Namespace, name, err)
 	}
-	if !metav1.IsControlledBy(&secret, p) {
+	before := secret.DeepCopy()
+	adopted, err := r.adoptSecret(p, &secret)
+	if err != nil {
+		return 0, err
+	}
+	if !adopted && !metav1.IsControlledBy(&secret, p) {
 		return 0, newConflict("Secret", &secret)
 	}
-	before := secret.DeepCopy()
 	if secret.DeletionTimestamp.IsZero() && !controllerutil.ContainsFinalizer(&secret, v1alpha1.FinalizerInUse) {
 		// Losing the key would make every stored result unreadable, so
 		// every retry within the TTL would run again.
