@@ -82,6 +82,15 @@ type Injector struct {
 	// PolicyCA returns the PEM injected as IDEMCP_POLICY_CA beside the
 	// policy stream's endpoint.
 	PolicyCA func(context.Context) ([]byte, error)
+	// SecretsMetadataOnly reads the Secrets a policy names as metadata
+	// only: their owner's consent (the label) is checked, whether they
+	// hold the key is not. kubectl-idemcp sets it, so it never fetches a
+	// Secret's data with its user's credentials.
+	SecretsMetadataOnly bool
+	// Unchecked, when set, is told what Decide could not check (a Secret
+	// its reader may not get) instead of failing on it: kubectl-idemcp
+	// says so in its verdict. The webhook leaves it nil.
+	Unchecked func(what string)
 }
 
 var _ admission.Defaulter[*corev1.Pod] = (*Injector)(nil)
@@ -279,9 +288,23 @@ func (i *Injector) checkSecrets(ctx context.Context, ns string, p *v1alpha1.Idem
 		reader = i.Client
 	}
 	for _, ref := range credentials.Refs(p) {
-		var secret corev1.Secret
-		err := reader.Get(ctx, client.ObjectKey{Namespace: ns, Name: ref.Name}, &secret)
+		var (
+			obj    client.Object
+			secret *corev1.Secret
+		)
+		if i.SecretsMetadataOnly {
+			m := &metav1.PartialObjectMetadata{}
+			m.SetGroupVersionKind(corev1.SchemeGroupVersion.WithKind("Secret"))
+			obj = m
+		} else {
+			secret = &corev1.Secret{}
+			obj = secret
+		}
+		err := reader.Get(ctx, client.ObjectKey{Namespace: ns, Name: ref.Name}, obj)
 		switch {
+		case apierrors.IsForbidden(err) && i.Unchecked != nil:
+			i.Unchecked(fmt.Sprintf("whether Secret %s/%s (%s) exists and carries the label %s: %q: reading its metadata needs get on secrets (%v)", ns, ref.Name, ref.Field, credentials.Label, credentials.Value, err))
+			continue
 		case apierrors.IsNotFound(err) && ref.Managed:
 			continue
 		case apierrors.IsNotFound(err):
@@ -290,8 +313,14 @@ func (i *Injector) checkSecrets(ctx context.Context, ns string, p *v1alpha1.Idem
 		case err != nil:
 			return fmt.Errorf("reading Secret %s/%s (%s): %w", ns, ref.Name, ref.Field, err)
 		}
-		if err := credentials.Check(ref, &secret); err != nil {
+		if err := credentials.Check(ref, obj); err != nil {
 			return refuse(DenySecretNotLabelled, "IdempotencyPolicy %s/%s may not use this Secret: %v", ns, p.Name, err)
+		}
+		if secret == nil {
+			if i.Unchecked != nil {
+				i.Unchecked(fmt.Sprintf("whether Secret %s/%s (%s) has the key %q: that needs the Secret's data, which kubectl idemcp never reads", ns, ref.Name, ref.Field, ref.Key))
+			}
+			continue
 		}
 		if _, ok := secret.Data[ref.Key]; !ok {
 			fix := fmt.Sprintf("add the key to the Secret, or change %s", ref.Field)
