@@ -58,7 +58,8 @@ func assertPolicyEvent(t *testing.T, ns, policy, reason, text string) {
 // TestSecretsNeedTheirOwnersConsent: for every Secret a policy can give a
 // sidecar, an unlabelled one refuses the pod with a message naming the
 // Secret and the label, and the same pod is admitted once the Secret's
-// owner labels it. Before, the webhook injected a secretKeyRef to any
+// owner labels it (a Secret the policy names; the controller's own ones
+// must also be the controller's). Before, the webhook injected a secretKeyRef to any
 // Secret, and the sidecar sent it to whatever address the policy named.
 func TestSecretsNeedTheirOwnersConsent(t *testing.T) {
 	external := func(ref *v1alpha1.SecretKeyRef) v1alpha1.IdempotencyPolicySpec {
@@ -97,7 +98,16 @@ func TestSecretsNeedTheirOwnersConsent(t *testing.T) {
 				t.Fatal(err)
 			}
 			pod := mcpPod(ns, "mcp-0", optIn)
-			if err := k8s.Create(ctx, pod); err != nil {
+			err = k8s.Create(ctx, pod)
+			if strings.HasPrefix(tc.secret, "payments-") {
+				// The controller's own Secrets: the label is not enough
+				// (TestManagedSecretMadeBySomeoneElseIsRefused).
+				if err == nil || !strings.Contains(err.Error(), "is not controlled by IdempotencyPolicy "+ns+"/payments") {
+					t.Errorf("the pod once a managed Secret made by someone else is labelled: %v, want a refusal", err)
+				}
+				return
+			}
+			if err != nil {
 				t.Fatalf("the pod once the Secret is labelled: %v", err)
 			}
 			c, _ := sidecarOf(t, pod)
@@ -147,6 +157,35 @@ func TestMissingSecretIsRefusedUntilItExistsLabelled(t *testing.T) {
 			}
 			if err := k8s.Create(ctx, mcpPod(ns, "mcp-0", optIn)); err != nil {
 				t.Fatalf("the pod once the Secret is labelled: %v", err)
+			}
+		})
+	}
+}
+
+// TestManagedSecretMadeBySomeoneElseIsRefused: NAME-redis and NAME-seal
+// are the controller's own. One made beforehand, labelled, by someone who
+// may create Secrets (to choose the sidecars' password or seal keys) is
+// refused, naming it, as the controller refuses it (RedisObjectConflict).
+// Before, the label alone was enough for the webhook.
+func TestManagedSecretMadeBySomeoneElseIsRefused(t *testing.T) {
+	shared := v1alpha1.IdempotencyPolicySpec{Store: v1alpha1.StoreSpec{Type: v1alpha1.StoreRedis, Redis: &v1alpha1.RedisStoreSpec{External: &v1alpha1.ExternalRedis{
+		Addresses: []string{"redis:6379"}}}}}
+	for _, tc := range []struct {
+		field, secret string
+		spec          v1alpha1.IdempotencyPolicySpec
+		data          map[string]string
+	}{
+		{"the managed Redis's password", "payments-redis", managedSpec(), map[string]string{"password": "chosen", "redis.conf": "requirepass chosen\n"}},
+		{"the seal keys", "payments-seal", shared, map[string]string{"keys": "k1:c2VjcmV0"}},
+	} {
+		t.Run(tc.field, func(t *testing.T) {
+			ns := namespace(t, true)
+			createSecret(t, ns, tc.secret, true, tc.data)
+			createPolicy(t, ns, "payments", tc.spec)
+			err := k8s.Create(context.Background(), mcpPod(ns, "mcp-0", optIn))
+			want := fmt.Sprintf("Secret %s/%s (%s) is not controlled by IdempotencyPolicy %s/payments: idemcp makes this Secret itself and gives the sidecar only its own", ns, tc.secret, tc.field, ns)
+			if err == nil || !strings.Contains(err.Error(), want) || !strings.Contains(err.Error(), "RedisObjectConflict") {
+				t.Fatalf("creating the pod: %v\nwant a refusal with %q", err, want)
 			}
 		})
 	}

@@ -316,6 +316,12 @@ func (i *Injector) checkSecrets(ctx context.Context, ns string, p *v1alpha1.Idem
 		if err := credentials.Check(ref, obj); err != nil {
 			return refuse(DenySecretNotLabelled, "IdempotencyPolicy %s/%s may not use this Secret: %v", ns, p.Name, err)
 		}
+		if ref.Managed && !metav1.IsControlledBy(obj, p) {
+			// The label alone would let whoever may create Secrets choose
+			// the password or seal keys of the policy's sidecars.
+			return refuse(DenySecretNotOwned, "Secret %s/%s (%s) is not controlled by IdempotencyPolicy %s/%s: idemcp makes this Secret itself and gives the sidecar only its own, and this one was made by someone else (the policy's StoreReady says %s); delete the Secret and idemcp makes its own, or rename the policy",
+				ns, ref.Name, ref.Field, ns, p.Name, v1alpha1.ReasonRedisObjectConflict)
+		}
 		if secret == nil {
 			if i.Unchecked != nil {
 				i.Unchecked(fmt.Sprintf("whether Secret %s/%s (%s) has the key %q: that needs the Secret's data, which kubectl idemcp never reads", ns, ref.Name, ref.Field, ref.Key))

@@ -57,7 +57,6 @@ func TestCheckInjectNeverReadsASecret(t *testing.T) {
 	readyPolicy(t, ns, "other", unlabelled, 0)
 	// Labelled, but without the key the policy names.
 	create(t, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "redis-auth", Namespace: ns, Labels: map[string]string{v1alpha1.LabelCredentials: "true"}}, StringData: map[string]string{"pass": "x"}})
-	create(t, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "payments-seal", Namespace: ns, Labels: map[string]string{v1alpha1.LabelCredentials: "true"}}, StringData: map[string]string{"keys": "x"}})
 	create(t, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "database", Namespace: ns}, StringData: map[string]string{"password": "hunter2"}})
 	create(t, mcpPod(ns, "mcp-0", "payments"))
 	create(t, mcpPod(ns, "mcp-1", "other"))
