@@ -334,7 +334,7 @@ func (i *Injector) checkSecrets(ctx context.Context, ns string, p *v1alpha1.Idem
 			case ref.Managed && ref.Key == credentials.RedisPasswordKey:
 				fix = "the idemcp controller puts it back within seconds, and the pod's workload retries; if this stays, see the policy's StoreReady condition (kubectl -n " + ns + " describe idpol " + p.Name + ")"
 			case ref.Managed:
-				fix = "see the policy's StoreReady condition (kubectl -n " + ns + " describe idpol " + p.Name + "): delete the Secret and idemcp makes a new one (results stored under the old keys then run again once)"
+				fix = "the idemcp controller gives it a new key within seconds (results stored under the lost key then run again once; its Event SealKeysRepaired says so), and the pod's workload retries; if this stays, see the policy's StoreReady condition (kubectl -n " + ns + " describe idpol " + p.Name + ")"
 			}
 			return refuse(DenySecretKeyMissing, "Secret %s/%s (%s) has no key %q, which the sidecar's %s needs: the pod could not start; %s",
 				ns, ref.Name, ref.Field, ref.Key, ref.Env, fix)
