@@ -12,6 +12,7 @@ import (
 	networkingv1 "k8s.io/api/networking/v1"
 	policyv1 "k8s.io/api/policy/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
@@ -124,4 +125,91 @@ func TestForegroundDeletionKeepsTheStoreWhilePodsUseIt(t *testing.T) {
 		}
 		return errors.Join(errs...)
 	})
+}
+
+// TestRecreatedPolicyAdoptsTheStoreItsPredecessorLeft: a policy deleted
+// without its finalizer (finalizers stripped, or its CRD deleted while the
+// manager was down) leaves its managed objects to the namespace, their
+// other owner: the garbage collector only removes the policy's reference
+// (done here for the StatefulSet and Service, as envtest runs no garbage
+// collector; the PodDisruptionBudget and NetworkPolicy keep the gone
+// policy's reference, as before the collector gets to them) and deletes
+// the Secrets, which their finalizer keeps. A policy of the same name made
+// again takes them all over. Before, it was stuck on RedisObjectConflict.
+func TestRecreatedPolicyAdoptsTheStoreItsPredecessorLeft(t *testing.T) {
+	ctx := context.Background()
+	ns := newNamespace(t)
+	if err := k8s.Create(ctx, managedPolicy(ns, "again")); err != nil {
+		t.Fatal(err)
+	}
+	key := client.ObjectKey{Namespace: ns, Name: controllers.RedisName("again")}
+	objs := []client.Object{&appsv1.StatefulSet{}, &corev1.Service{}, &policyv1.PodDisruptionBudget{}, &networkingv1.NetworkPolicy{}, &corev1.Secret{}}
+	secretKeys := []client.ObjectKey{key, {Namespace: ns, Name: controllers.SealName("again")}}
+	eventually(t, "the managed objects and Secrets", func() error {
+		var errs []error
+		for _, o := range objs {
+			errs = append(errs, k8s.Get(ctx, key, o))
+		}
+		return errors.Join(append(errs, k8s.Get(ctx, secretKeys[1], &corev1.Secret{}))...)
+	})
+	old := getPolicy(t, ns, "again")
+	old.Finalizers = nil
+	if err := k8s.Update(ctx, old); err != nil {
+		t.Fatal(err)
+	}
+	if err := k8s.Delete(ctx, old); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "the policy gone", func() error {
+		if err := k8s.Get(ctx, client.ObjectKeyFromObject(old), &v1alpha1.IdempotencyPolicy{}); !apierrors.IsNotFound(err) {
+			return fmt.Errorf("still there: %w", err)
+		}
+		return nil
+	})
+	for _, o := range objs[:2] {
+		if err := k8s.Get(ctx, key, o); err != nil {
+			t.Fatal(err)
+		}
+		var refs []metav1.OwnerReference
+		for _, ref := range o.GetOwnerReferences() {
+			if ref.UID != old.UID {
+				refs = append(refs, ref)
+			}
+		}
+		o.SetOwnerReferences(refs)
+		if err := k8s.Update(ctx, o); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, k := range secretKeys {
+		if err := k8s.Delete(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: k.Name, Namespace: k.Namespace}}); err != nil {
+			t.Fatal(err)
+		}
+	}
+
+	if err := k8s.Create(ctx, managedPolicy(ns, "again")); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "the new policy controlling its predecessor's store", func() error {
+		p := getPolicy(t, ns, "again")
+		if c := meta.FindStatusCondition(p.Status.Conditions, v1alpha1.ConditionStoreReady); c == nil || c.Reason == v1alpha1.ReasonRedisObjectConflict {
+			return fmt.Errorf("StoreReady %+v", c)
+		}
+		var errs []error
+		check := func(k client.ObjectKey, o client.Object) {
+			if err := k8s.Get(ctx, k, o); err != nil {
+				errs = append(errs, err)
+			} else if !metav1.IsControlledBy(o, p) {
+				errs = append(errs, fmt.Errorf("%T %s owners %+v, want the new policy %s as controller", o, k.Name, o.GetOwnerReferences(), p.UID))
+			}
+		}
+		for _, o := range objs[:4] {
+			check(key, o)
+		}
+		for _, k := range secretKeys {
+			check(k, &corev1.Secret{})
+		}
+		return errors.Join(errs...)
+	})
+	assertEvent(t, ns, "again", "Adopted", "Adopted StatefulSet again-redis, left by an earlier policy again (deleted without its finalizer)")
 }

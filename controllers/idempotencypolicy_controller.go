@@ -325,7 +325,10 @@ func (s *ownedStatus) setStore(p *v1alpha1.IdempotencyPolicy, status metav1.Cond
 
 // Ready sums the other conditions up, and nothing else: the store's
 // (written here) and the sidecars' (written by the policy stream), so both
-// writers agree on it.
+// writers agree on it. A SidecarsSynced of an older generation says what
+// the sidecars enforced before the last spec edit, not now: it counts as
+// not observed, so kubectl wait --for=condition=Ready (or a GitOps health
+// check) never passes on the previous spec's sync.
 func Ready(generation int64, conds []metav1.Condition, deleting string) metav1.Condition {
 	c := metav1.Condition{Type: v1alpha1.ConditionReady, Status: metav1.ConditionTrue, Reason: v1alpha1.ReasonReady,
 		Message: "the policy is enforced by every sidecar that uses it", ObservedGeneration: generation}
@@ -344,6 +347,9 @@ func Ready(generation int64, conds []metav1.Condition, deleting string) metav1.C
 		c.Status, c.Reason, c.Message = metav1.ConditionFalse, v1alpha1.ReasonStoreNotReady, msg
 	case sidecars == nil:
 		c.Status, c.Reason, c.Message = metav1.ConditionUnknown, v1alpha1.ReasonSyncNotObserved, "the store is ready; what the sidecars enforce is not reported yet"
+	case sidecars.ObservedGeneration < generation:
+		c.Status, c.Reason = metav1.ConditionUnknown, v1alpha1.ReasonSyncNotObserved
+		c.Message = fmt.Sprintf("the store is ready; the sidecars have not reported generation %d of the policy yet (their last report is of generation %d)", generation, sidecars.ObservedGeneration)
 	case sidecars.Status == metav1.ConditionFalse:
 		c.Status, c.Reason, c.Message = metav1.ConditionFalse, v1alpha1.ReasonSidecarsNotSynced, "the sidecars are not synced: "+sidecars.Message
 	case sidecars.Status != metav1.ConditionTrue:
@@ -407,9 +413,12 @@ func kindOf(obj client.Object) string {
 	return k[strings.LastIndex(k, ".")+1:]
 }
 
-// ensure creates or updates a child owned by the policy. It refuses an
-// existing object the policy does not control, and records an event when
-// it creates or changes one.
+// ensure creates or updates a child owned by the policy. It adopts one
+// that is the policy's by managedFor but lost its controller reference (a
+// policy of this name deleted without its finalizer: the namespace, its
+// other owner, kept it), refuses any other existing object the policy
+// does not control, and records an event when it creates, adopts or
+// changes one.
 func (r *IdempotencyPolicyReconciler) ensure(ctx context.Context, p *v1alpha1.IdempotencyPolicy, obj client.Object, mutate func()) error {
 	kind := kindOf(obj)
 	key := client.ObjectKeyFromObject(obj)
@@ -428,10 +437,14 @@ func (r *IdempotencyPolicyReconciler) ensure(ctx context.Context, p *v1alpha1.Id
 			if err := r.APIReader.Get(ctx, key, live); err != nil {
 				return fmt.Errorf("reading %s %s: %w", kind, key, err)
 			}
-			if !metav1.IsControlledBy(live, p) {
-				return newConflict(kind, live)
+			switch {
+			case metav1.IsControlledBy(live, p):
+				return nil
+			case managedFor(live, p):
+				// Adopted once the cache has it.
+				return fmt.Errorf("%s %s exists, left by an earlier policy %s, and is not in the cache yet", kind, key, p.Name)
 			}
-			return nil
+			return newConflict(kind, live)
 		}
 		if err != nil {
 			return fmt.Errorf("creating %s %s: %w", kind, key, err)
@@ -442,16 +455,37 @@ func (r *IdempotencyPolicyReconciler) ensure(ctx context.Context, p *v1alpha1.Id
 	case err != nil:
 		return fmt.Errorf("reading %s %s: %w", kind, key, err)
 	}
-	if !metav1.IsControlledBy(obj, p) {
-		return newConflict(kind, obj)
-	}
 	before := obj.DeepCopyObject()
+	adopted := false
+	if !metav1.IsControlledBy(obj, p) {
+		if !managedFor(obj, p) {
+			return newConflict(kind, obj)
+		}
+		// Names are unique: a controller reference to a policy of this
+		// name with another UID is to one that is gone.
+		var refs []metav1.OwnerReference
+		for _, ref := range obj.GetOwnerReferences() {
+			if ref.Controller == nil || !*ref.Controller {
+				refs = append(refs, ref)
+			}
+		}
+		obj.SetOwnerReferences(refs)
+		if err := controllerutil.SetControllerReference(p, obj, r.Scheme); err != nil {
+			return err
+		}
+		adopted = true
+	}
 	mutate()
 	if equalObjects(before, obj) {
 		return nil
 	}
 	if err := r.Update(ctx, obj); err != nil {
 		return fmt.Errorf("updating %s %s: %w", kind, key, err)
+	}
+	if adopted {
+		log.FromContext(ctx).Info("Adopted managed Redis object", "kind", kind, "name", obj.GetName())
+		r.Recorder.Eventf(p, obj, corev1.EventTypeNormal, "Adopted", "Provision", "Adopted %s %s, left by an earlier policy %s (deleted without its finalizer)", kind, obj.GetName(), p.Name)
+		return nil
 	}
 	r.Recorder.Eventf(p, obj, corev1.EventTypeNormal, "Updated", "Provision", "Updated %s %s", kind, obj.GetName())
 	return nil
@@ -514,7 +548,8 @@ func (r *IdempotencyPolicyReconciler) SetupWithManager(mgr ctrl.Manager) error {
 
 // deletionOrSidecarsChanged lets through the policy updates that change
 // no generation but change the status: a deletion, or SidecarsSynced
-// (written by the policy stream), on which Ready depends.
+// (written by the policy stream), on which Ready depends, including its
+// observedGeneration alone (the same "3/3 synced", now of the new spec).
 type deletionOrSidecarsChanged struct{ predicate.Funcs }
 
 func (deletionOrSidecarsChanged) Update(e event.UpdateEvent) bool {
@@ -528,7 +563,7 @@ func (deletionOrSidecarsChanged) Update(e event.UpdateEvent) bool {
 	}
 	oc := meta.FindStatusCondition(o.Status.Conditions, v1alpha1.ConditionSidecarsSynced)
 	nc := meta.FindStatusCondition(n.Status.Conditions, v1alpha1.ConditionSidecarsSynced)
-	return (oc == nil) != (nc == nil) || (oc != nil && (oc.Status != nc.Status || oc.Message != nc.Message))
+	return (oc == nil) != (nc == nil) || (oc != nil && (oc.Status != nc.Status || oc.Reason != nc.Reason || oc.Message != nc.Message || oc.ObservedGeneration != nc.ObservedGeneration))
 }
 
 func podToPolicy(_ context.Context, o client.Object) []reconcile.Request {

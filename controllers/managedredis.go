@@ -201,14 +201,21 @@ func holdBy(obj client.Object, hold metav1.OwnerReference) {
 }
 
 // managedFor reports whether obj is the policy's own: controlled by it,
-// or left without a controller by the garbage collector (a foreground
-// deletion of the policy removes its reference) and labelled as its.
+// or labelled as its and controlled by no live policy: without a
+// controller (the garbage collector removes a deleted policy's reference
+// while the namespace, the other owner, remains), or by an earlier policy
+// of this name (names are unique in a namespace, so another UID is one
+// that is gone; the garbage collector has not removed it yet).
 func managedFor(obj client.Object, p *v1alpha1.IdempotencyPolicy) bool {
 	if metav1.IsControlledBy(obj, p) {
 		return true
 	}
 	l := obj.GetLabels()
-	return metav1.GetControllerOf(obj) == nil && l["app.kubernetes.io/managed-by"] == managedBy && l[v1alpha1.LabelPolicy] == p.Name && l[v1alpha1.LabelComponent] == redisComponent
+	if l["app.kubernetes.io/managed-by"] != managedBy || l[v1alpha1.LabelPolicy] != p.Name || l[v1alpha1.LabelComponent] != redisComponent {
+		return false
+	}
+	ref := metav1.GetControllerOf(obj)
+	return ref == nil || (ref.Kind == "IdempotencyPolicy" && ref.APIVersion == v1alpha1.GroupVersion.String() && ref.Name == p.Name)
 }
 
 // heldObjects names what a policy being deleted keeps for its pods.
@@ -260,10 +267,14 @@ func (r *IdempotencyPolicyReconciler) ensureRedisSecret(ctx context.Context, p *
 	var secret corev1.Secret
 	err := r.APIReader.Get(ctx, client.ObjectKey{Namespace: p.Namespace, Name: name}, &secret)
 	if err == nil {
-		if !metav1.IsControlledBy(&secret, p) {
+		before := secret.DeepCopy()
+		adopted, err := r.adoptSecret(p, &secret)
+		if err != nil {
+			return nil, false, err
+		}
+		if !adopted && !metav1.IsControlledBy(&secret, p) {
 			return nil, false, newConflict("Secret", &secret)
 		}
-		before := secret.DeepCopy()
 		// Secrets made by an earlier idemcp lack the label (the watch sees
 		// only labelled Secrets) and the finalizer.
 		secret.Labels = mergeLabels(secret.Labels, map[string]string{v1alpha1.LabelCredentials: "true"})
@@ -413,4 +424,30 @@ func stalePods(pods *policyPods, secret *corev1.Secret, reset bool) []string {
 // releaseRedisSecret removes the finalizer from the managed Redis's Secret.
 func (r *IdempotencyPolicyReconciler) releaseRedisSecret(ctx context.Context, p *v1alpha1.IdempotencyPolicy) error {
 	return r.releaseSecret(ctx, p, RedisName(p.Name))
+}
+
+// adoptSecret makes a managed Secret controlled by an earlier policy of
+// p's name (deleted without its finalizer, so nobody released the Secret)
+// controlled by p, and reports whether it did. Names are unique in a
+// namespace: a controller reference to another UID of this name is to a
+// policy that is gone.
+func (r *IdempotencyPolicyReconciler) adoptSecret(p *v1alpha1.IdempotencyPolicy, secret *corev1.Secret) (bool, error) {
+	ref := metav1.GetControllerOf(secret)
+	l := secret.Labels
+	if ref == nil || ref.UID == p.UID || ref.Kind != "IdempotencyPolicy" || ref.APIVersion != v1alpha1.GroupVersion.String() || ref.Name != p.Name ||
+		l["app.kubernetes.io/managed-by"] != managedBy || l[v1alpha1.LabelPolicy] != p.Name {
+		return false, nil
+	}
+	var refs []metav1.OwnerReference
+	for _, o := range secret.OwnerReferences {
+		if o.Controller == nil || !*o.Controller {
+			refs = append(refs, o)
+		}
+	}
+	secret.OwnerReferences = refs
+	if err := controllerutil.SetControllerReference(p, secret, r.Scheme); err != nil {
+		return false, err
+	}
+	r.Recorder.Eventf(p, secret, corev1.EventTypeNormal, "Adopted", "Provision", "Adopted Secret %s, left by an earlier policy %s (deleted without its finalizer)", secret.Name, p.Name)
+	return true, nil
 }

@@ -7,6 +7,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"maps"
+	"slices"
 	"strings"
 	"time"
 
@@ -18,6 +19,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/log"
 
 	"github.com/idemcp/idemcp/api/v1alpha1"
+	"github.com/idemcp/idemcp/internal/bounded"
 	"github.com/idemcp/idemcp/internal/credentials"
 	"github.com/idemcp/idemcp/internal/policy"
 	"github.com/idemcp/idemcp/sidecar/store"
@@ -63,6 +65,10 @@ const (
 	sealRetiring = "retiring"
 
 	sealRecheck = 30 * time.Second
+
+	// ReasonSealKeysRepaired is the Warning Event of a seal Secret whose
+	// keyring was emptied or lost its key, and got a new key.
+	ReasonSealKeysRepaired = "SealKeysRepaired"
 )
 
 // sealSkewGrace is added to the time a retiring key stays: a record opens
@@ -114,14 +120,22 @@ func (r *IdempotencyPolicyReconciler) reconcileSealKey(ctx context.Context, p *v
 	if err != nil {
 		return 0, fmt.Errorf("reading Secret %s/%s: %w", p.Namespace, name, err)
 	}
-	if !metav1.IsControlledBy(&secret, p) {
+	before := secret.DeepCopy()
+	adopted, err := r.adoptSecret(p, &secret)
+	if err != nil {
+		return 0, err
+	}
+	if !adopted && !metav1.IsControlledBy(&secret, p) {
 		return 0, newConflict("Secret", &secret)
 	}
-	before := secret.DeepCopy()
 	if secret.DeletionTimestamp.IsZero() && !controllerutil.ContainsFinalizer(&secret, v1alpha1.FinalizerInUse) {
 		// Losing the key would make every stored result unreadable, so
 		// every retry within the TTL would run again.
 		controllerutil.AddFinalizer(&secret, v1alpha1.FinalizerInUse)
+	}
+	repaired, err := repairSealKeys(&secret, pods)
+	if err != nil {
+		return 0, err
 	}
 	requeue, msg, err := rotateSealKey(&secret, compiled, pods, time.Now())
 	if err != nil {
@@ -132,6 +146,10 @@ func (r *IdempotencyPolicyReconciler) reconcileSealKey(ctx context.Context, p *v
 	}
 	if err := r.Patch(ctx, &secret, client.MergeFromWithOptions(before, client.MergeFromWithOptimisticLock{})); err != nil {
 		return 0, fmt.Errorf("updating Secret %s/%s: %w", p.Namespace, name, err)
+	}
+	if repaired != "" {
+		log.FromContext(ctx).Info("Repaired the seal Secret", "secret", name, "repair", repaired)
+		r.Recorder.Eventf(p, &secret, corev1.EventTypeWarning, ReasonSealKeysRepaired, "Provision", "%s", repaired)
 	}
 	if msg != "" {
 		log.FromContext(ctx).Info("Seal key rotation", "secret", name, "step", msg)
@@ -168,6 +186,39 @@ func (r *IdempotencyPolicyReconciler) createSealSecret(ctx context.Context, p *v
 	return nil
 }
 
+// repairSealKeys gives a seal Secret whose keyring is empty, or whose key
+// is gone, a new key, and says what that means; "" when it had keys. The
+// Secret cannot simply be made again: its finalizer keeps a deleted one
+// (Terminating), and a new pod could not start without the key. The lost
+// key is lost: results sealed under it no longer open, so a retry of such
+// a call runs again, once; pods started before hold the old keyring.
+func repairSealKeys(secret *corev1.Secret, pods *policyPods) (string, error) {
+	if len(sealKeys(secret)) > 0 {
+		return "", nil
+	}
+	key, err := newSealKey()
+	if err != nil {
+		return "", fmt.Errorf("generating the seal key: %w", err)
+	}
+	if secret.Data == nil {
+		secret.Data = map[string][]byte{}
+	}
+	secret.Data[SealKeysKey] = joinKeys(key)
+	for _, a := range []string{annotationSealStage, annotationSealSince, annotationSealRetireAfter} {
+		delete(secret.Annotations, a)
+	}
+	msg := fmt.Sprintf("Secret %s had no seal keys under %q; made a new key %s: results stored under the lost key cannot be opened, so a retry of such a call runs again, once", secret.Name, SealKeysKey, keyID(key))
+	if n := len(pods.live); n > 0 {
+		names := make([]string, 0, n)
+		for _, pod := range pods.live {
+			names = append(names, pod.Name)
+		}
+		slices.Sort(names)
+		msg += fmt.Sprintf("; the pods of this policy that run now hold the old keyring until they restart, and neither side opens the other's results: restart them (kubectl rollout restart): %s", bounded.Count(n, "pod", "pods", names))
+	}
+	return msg, nil
+}
+
 // rotateSealKey moves a rotation one step on, in secret. It returns when
 // to look again and what it did (empty: nothing).
 func rotateSealKey(secret *corev1.Secret, compiled *policy.Policy, pods *policyPods, now time.Time) (time.Duration, string, error) {
@@ -191,7 +242,7 @@ func rotateSealKey(secret *corev1.Secret, compiled *policy.Policy, pods *policyP
 	retention := recordRetention(secret, keys, stage, compiled)
 	switch {
 	case len(keys) == 0:
-		return 0, "", fmt.Errorf("the seal Secret %s/%s has no keys under %q; delete it and idemcp makes a new one (stored results then run again once)", secret.Namespace, secret.Name, SealKeysKey)
+		return 0, "", fmt.Errorf("the seal Secret %s/%s has no keys under %q", secret.Namespace, secret.Name, SealKeysKey) // repairSealKeys runs first
 
 	case stage == "" && ann[AnnotationRotateSealKey] != "":
 		key, err := newSealKey()

@@ -187,3 +187,42 @@ func TestSealKeyKeptForTheLongestTTLItSealedUnder(t *testing.T) {
 		})
 	}
 }
+
+// TestSealSecretWithoutKeysGetsANewKey: a seal Secret whose keyring was
+// emptied (or lost its key) gets a new key, with a Warning Event that
+// says what that costs: results sealed under the lost key run again once,
+// and running pods hold the old keyring until they restart. Deleting the
+// Secret, as the refusal's advice said before, only left it Terminating on
+// its finalizer, keyless, and every new pod refused.
+func TestSealSecretWithoutKeysGetsANewKey(t *testing.T) {
+	ctx := context.Background()
+	ns := newNamespace(t)
+	if err := k8s.Create(ctx, &v1alpha1.IdempotencyPolicy{ObjectMeta: metav1.ObjectMeta{Name: "payments", Namespace: ns},
+		Spec: v1alpha1.IdempotencyPolicySpec{Store: v1alpha1.StoreSpec{Type: v1alpha1.StoreRedis, Redis: &v1alpha1.RedisStoreSpec{External: &v1alpha1.ExternalRedis{
+			Addresses: []string{"redis.shared.svc:6379"}}}}}}); err != nil {
+		t.Fatal(err)
+	}
+	name := client.ObjectKey{Namespace: ns, Name: controllers.SealName("payments")}
+	eventually(t, "the seal Secret", func() error { return k8s.Get(ctx, name, &corev1.Secret{}) })
+	lost, secret := sealKeys(t, ns, "payments")
+	injectedPod(t, ns, "mcp-0", "payments", nil, true)
+
+	before := secret.DeepCopy()
+	delete(secret.Data, controllers.SealKeysKey)
+	if err := k8s.Patch(ctx, secret, client.MergeFrom(before)); err != nil {
+		t.Fatal(err)
+	}
+	// What the refusal's advice said to do before.
+	if err := k8s.Delete(ctx, secret); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "a new seal key", func() error {
+		keys, _ := sealKeys(t, ns, "payments")
+		if len(keys) != 1 || keys[0] == lost[0] {
+			return fmt.Errorf("%d keys, the lost one %v", len(keys), slices.Contains(keys, lost[0]))
+		}
+		return nil
+	})
+	assertEvent(t, ns, "payments", controllers.ReasonSealKeysRepaired, "had no seal keys under \"keys\"; made a new key")
+	assertEvent(t, ns, "payments", controllers.ReasonSealKeysRepaired, "results stored under the lost key cannot be opened, so a retry of such a call runs again, once; the pods of this policy that run now hold the old keyring until they restart, and neither side opens the other's results: restart them (kubectl rollout restart): 1 pod (mcp-0)")
+}

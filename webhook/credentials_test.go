@@ -9,11 +9,16 @@ import (
 	"testing"
 	"time"
 
+	admissionv1 "k8s.io/api/admission/v1"
 	corev1 "k8s.io/api/core/v1"
 	eventsv1 "k8s.io/api/events/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/client/fake"
+	"sigs.k8s.io/controller-runtime/pkg/webhook/admission"
 
 	"github.com/idemcp/idemcp/api/v1alpha1"
 	"github.com/idemcp/idemcp/internal/credentials"
@@ -53,7 +58,8 @@ func assertPolicyEvent(t *testing.T, ns, policy, reason, text string) {
 // TestSecretsNeedTheirOwnersConsent: for every Secret a policy can give a
 // sidecar, an unlabelled one refuses the pod with a message naming the
 // Secret and the label, and the same pod is admitted once the Secret's
-// owner labels it. Before, the webhook injected a secretKeyRef to any
+// owner labels it (a Secret the policy names; the controller's own ones
+// must also be the controller's). Before, the webhook injected a secretKeyRef to any
 // Secret, and the sidecar sent it to whatever address the policy named.
 func TestSecretsNeedTheirOwnersConsent(t *testing.T) {
 	external := func(ref *v1alpha1.SecretKeyRef) v1alpha1.IdempotencyPolicySpec {
@@ -92,7 +98,16 @@ func TestSecretsNeedTheirOwnersConsent(t *testing.T) {
 				t.Fatal(err)
 			}
 			pod := mcpPod(ns, "mcp-0", optIn)
-			if err := k8s.Create(ctx, pod); err != nil {
+			err = k8s.Create(ctx, pod)
+			if strings.HasPrefix(tc.secret, "payments-") {
+				// The controller's own Secrets: the label is not enough
+				// (TestManagedSecretMadeBySomeoneElseIsRefused).
+				if err == nil || !strings.Contains(err.Error(), "is not controlled by IdempotencyPolicy "+ns+"/payments") {
+					t.Errorf("the pod once a managed Secret made by someone else is labelled: %v, want a refusal", err)
+				}
+				return
+			}
+			if err != nil {
 				t.Fatalf("the pod once the Secret is labelled: %v", err)
 			}
 			c, _ := sidecarOf(t, pod)
@@ -100,6 +115,96 @@ func TestSecretsNeedTheirOwnersConsent(t *testing.T) {
 				t.Errorf("%s = %+v, want a secretKeyRef to %s", tc.env, e, tc.secret)
 			}
 		})
+	}
+}
+
+// TestMissingSecretIsRefusedUntilItExistsLabelled: a pod whose policy
+// names a Secret that does not exist yet is refused, naming the Secret,
+// the field and the label. Before, it was admitted with a secretKeyRef,
+// and the kubelet handed the sidecar the Secret once someone created it,
+// unlabelled, to send to whatever address the policy named. The same pod
+// is refused while the Secret is unlabelled, and admitted once labelled.
+func TestMissingSecretIsRefusedUntilItExistsLabelled(t *testing.T) {
+	for _, tc := range []struct {
+		field string
+		spec  v1alpha1.IdempotencyPolicySpec
+		data  map[string]string
+	}{
+		{"spec.store.redis.external.passwordSecretRef", v1alpha1.IdempotencyPolicySpec{Store: v1alpha1.StoreSpec{Type: v1alpha1.StoreRedis, Redis: &v1alpha1.RedisStoreSpec{External: &v1alpha1.ExternalRedis{
+			Addresses: []string{"evil.example.com:6379"}, PasswordSecretRef: &v1alpha1.SecretKeyRef{Name: "database", Key: "password"}}}}}, map[string]string{"password": "hunter2"}},
+		{"spec.store.postgres.urlSecretRef", v1alpha1.IdempotencyPolicySpec{Store: v1alpha1.StoreSpec{Type: v1alpha1.StorePostgres,
+			Postgres: &v1alpha1.PostgresStoreSpec{URLSecretRef: v1alpha1.SecretKeyRef{Name: "database", Key: "url"}}}}, map[string]string{"url": "postgres://u:hunter2@db:5432/db"}},
+	} {
+		t.Run(tc.field, func(t *testing.T) {
+			ctx := context.Background()
+			ns := namespace(t, true)
+			createPolicy(t, ns, "payments", tc.spec)
+			err := k8s.Create(ctx, mcpPod(ns, "mcp-0", optIn))
+			want := fmt.Sprintf(`Secret %s/database (%s) does not exist: idemcp gives the sidecar a Secret only once it exists and carries the label idemcp.io/credentials: "true"`, ns, tc.field)
+			if err == nil || !strings.Contains(err.Error(), want) || !strings.Contains(err.Error(), "kubectl -n "+ns+" label secret database idemcp.io/credentials=true") {
+				t.Fatalf("creating the pod: %v\nwant a refusal with %q and the command that adds the label", err, want)
+			}
+			assertPolicyEvent(t, ns, "payments", "InjectionRefused", want)
+
+			secret := createSecret(t, ns, "database", false, tc.data)
+			err = k8s.Create(ctx, mcpPod(ns, "mcp-0", optIn))
+			if want := "lacks the label idemcp.io/credentials"; err == nil || !strings.Contains(err.Error(), want) {
+				t.Fatalf("once the Secret exists unlabelled: %v, want a refusal with %q", err, want)
+			}
+			secret.Labels = map[string]string{credentials.Label: credentials.Value}
+			if err := k8s.Update(ctx, secret); err != nil {
+				t.Fatal(err)
+			}
+			if err := k8s.Create(ctx, mcpPod(ns, "mcp-0", optIn)); err != nil {
+				t.Fatalf("the pod once the Secret is labelled: %v", err)
+			}
+		})
+	}
+}
+
+// TestManagedSecretMadeBySomeoneElseIsRefused: NAME-redis and NAME-seal
+// are the controller's own. One made beforehand, labelled, by someone who
+// may create Secrets (to choose the sidecars' password or seal keys) is
+// refused, naming it, as the controller refuses it (RedisObjectConflict).
+// Before, the label alone was enough for the webhook.
+func TestManagedSecretMadeBySomeoneElseIsRefused(t *testing.T) {
+	shared := v1alpha1.IdempotencyPolicySpec{Store: v1alpha1.StoreSpec{Type: v1alpha1.StoreRedis, Redis: &v1alpha1.RedisStoreSpec{External: &v1alpha1.ExternalRedis{
+		Addresses: []string{"redis:6379"}}}}}
+	for _, tc := range []struct {
+		field, secret string
+		spec          v1alpha1.IdempotencyPolicySpec
+		data          map[string]string
+	}{
+		{"the managed Redis's password", "payments-redis", managedSpec(), map[string]string{"password": "chosen", "redis.conf": "requirepass chosen\n"}},
+		{"the seal keys", "payments-seal", shared, map[string]string{"keys": "k1:c2VjcmV0"}},
+	} {
+		t.Run(tc.field, func(t *testing.T) {
+			ns := namespace(t, true)
+			createSecret(t, ns, tc.secret, true, tc.data)
+			createPolicy(t, ns, "payments", tc.spec)
+			err := k8s.Create(context.Background(), mcpPod(ns, "mcp-0", optIn))
+			want := fmt.Sprintf("Secret %s/%s (%s) is not controlled by IdempotencyPolicy %s/payments: idemcp makes this Secret itself and gives the sidecar only its own", ns, tc.secret, tc.field, ns)
+			if err == nil || !strings.Contains(err.Error(), want) || !strings.Contains(err.Error(), "RedisObjectConflict") {
+				t.Fatalf("creating the pod: %v\nwant a refusal with %q", err, want)
+			}
+		})
+	}
+}
+
+// TestManagedSecretsMayBeMissingAtAdmission: the Secrets the controller
+// makes for a policy (NAME-redis, NAME-seal) are made labelled, so a pod
+// admitted the moment its policy is created, before them, is injected.
+func TestManagedSecretsMayBeMissingAtAdmission(t *testing.T) {
+	s := runtime.NewScheme()
+	if err := errors.Join(clientgoscheme.AddToScheme(s), v1alpha1.AddToScheme(s)); err != nil {
+		t.Fatal(err)
+	}
+	p := &v1alpha1.IdempotencyPolicy{ObjectMeta: metav1.ObjectMeta{Name: "payments", Namespace: "shop"}, Spec: managedSpec()}
+	inj := &webhook.Injector{Client: fake.NewClientBuilder().WithScheme(s).WithObjects(p).Build(), Config: sidecar, ManagerNamespace: "idemcp-system", MissingPolicy: webhook.MissingPolicyDeny}
+	ctx := admission.NewContextWithRequest(context.Background(), admission.Request{AdmissionRequest: admissionv1.AdmissionRequest{Namespace: "shop", DryRun: ptr.To(true)}})
+	pod := mcpPod("shop", "mcp-0", optIn)
+	if _, err := inj.Decide(ctx, pod); err != nil || !webhook.Injected(pod) {
+		t.Fatalf("a managed Redis policy's pod before its Secrets exist: err %v, injected %t", err, webhook.Injected(pod))
 	}
 }
 

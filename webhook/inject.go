@@ -141,6 +141,13 @@ const (
 	// DenySecretNotLabelled: the policy names a Secret without the label
 	// idemcp.io/credentials: "true" (credentials.Check).
 	DenySecretNotLabelled = "secret_not_labelled"
+	// DenySecretNotFound: the policy names a Secret (not one the
+	// controller makes) that does not exist.
+	DenySecretNotFound = "secret_not_found"
+	// DenySecretNotOwned: a Secret the controller makes for the policy
+	// (NAME-redis, NAME-seal) exists, labelled, but was made by someone
+	// else: the policy does not control it.
+	DenySecretNotOwned = "secret_not_owned"
 	// DenySecretKeyMissing: a Secret the sidecar needs lacks the key.
 	DenySecretKeyMissing = "secret_key_missing"
 	// DenyRestartPolicy: a plain-container sidecar in a pod that is meant

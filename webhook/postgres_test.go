@@ -12,6 +12,7 @@ import (
 // connection string as a secretKeyRef env var, never in the policy.
 func TestInjectsPostgresURL(t *testing.T) {
 	ns := namespace(t, true)
+	createSecret(t, ns, "payments-db", true, map[string]string{"dsn": "postgres://u:p@db:5432/db"})
 	createPolicy(t, ns, "payments", v1alpha1.IdempotencyPolicySpec{Store: v1alpha1.StoreSpec{Type: v1alpha1.StorePostgres,
 		Postgres: &v1alpha1.PostgresStoreSpec{URLSecretRef: v1alpha1.SecretKeyRef{Name: "payments-db", Key: "dsn"}}}})
 	pod := mcpPod(ns, "mcp-pg", optIn)

@@ -185,6 +185,7 @@ func maxPolicy(pointerChars int) v1alpha1.IdempotencyPolicySpec {
 func TestLargestPolicyFitsItsEnvironmentVariable(t *testing.T) {
 	ctx := context.Background()
 	ns := namespace(t, true)
+	createSecret(t, ns, "redis", true, map[string]string{"password": "x"})
 	createPolicy(t, ns, "payments", maxPolicy(8192))
 	pod := mcpPod(ns, "largest", optIn)
 	if err := k8s.Create(ctx, pod); err != nil {

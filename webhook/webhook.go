@@ -82,6 +82,15 @@ type Injector struct {
 	// PolicyCA returns the PEM injected as IDEMCP_POLICY_CA beside the
 	// policy stream's endpoint.
 	PolicyCA func(context.Context) ([]byte, error)
+	// SecretsMetadataOnly reads the Secrets a policy names as metadata
+	// only: their owner's consent (the label) is checked, whether they
+	// hold the key is not. kubectl-idemcp sets it, so it never fetches a
+	// Secret's data with its user's credentials.
+	SecretsMetadataOnly bool
+	// Unchecked, when set, is told what Decide could not check (a Secret
+	// its reader may not get) instead of failing on it: kubectl-idemcp
+	// says so in its verdict. The webhook leaves it nil.
+	Unchecked func(what string)
 }
 
 var _ admission.Defaulter[*corev1.Pod] = (*Injector)(nil)
@@ -266,25 +275,58 @@ func capitalize(s string) string {
 
 // checkSecrets refuses a pod whose policy would give its sidecar a Secret
 // without the owner's consent (credentials.Check), or a key the Secret
-// does not have (the pod could never start). A Secret that does not exist
-// yet is not refused: the kubelet waits for it, and the policy's status
-// says SecretNotFound (a managed one is being made by the controller).
+// does not have (the pod could never start). A Secret the policy names
+// that does not exist is refused too: consent is read at admission only,
+// so a pod admitted with a secretKeyRef to a missing Secret would get it
+// from the kubelet once someone creates it, labelled or not. The pod could
+// not start without it anyway, and its workload retries. Only the Secrets
+// the controller makes (NAME-redis, NAME-seal) may be missing: it makes
+// them labelled, within seconds of the policy.
 func (i *Injector) checkSecrets(ctx context.Context, ns string, p *v1alpha1.IdempotencyPolicy) error {
 	reader := i.APIReader
 	if reader == nil {
 		reader = i.Client
 	}
 	for _, ref := range credentials.Refs(p) {
-		var secret corev1.Secret
-		err := reader.Get(ctx, client.ObjectKey{Namespace: ns, Name: ref.Name}, &secret)
+		var (
+			obj    client.Object
+			secret *corev1.Secret
+		)
+		if i.SecretsMetadataOnly {
+			m := &metav1.PartialObjectMetadata{}
+			m.SetGroupVersionKind(corev1.SchemeGroupVersion.WithKind("Secret"))
+			obj = m
+		} else {
+			secret = &corev1.Secret{}
+			obj = secret
+		}
+		err := reader.Get(ctx, client.ObjectKey{Namespace: ns, Name: ref.Name}, obj)
 		switch {
-		case apierrors.IsNotFound(err):
+		case apierrors.IsForbidden(err) && i.Unchecked != nil:
+			i.Unchecked(fmt.Sprintf("whether Secret %s/%s (%s) exists and carries the label %s: %q: reading its metadata needs get on secrets (%v)", ns, ref.Name, ref.Field, credentials.Label, credentials.Value, err))
 			continue
+		case apierrors.IsNotFound(err) && ref.Managed:
+			continue
+		case apierrors.IsNotFound(err):
+			return refuse(DenySecretNotFound, "Secret %s/%s (%s) does not exist: idemcp gives the sidecar a Secret only once it exists and carries the label %s: %q (its owner's consent), so the pod could not start; create the Secret with that label, or label it once it exists (%s), and the pod's workload retries",
+				ns, ref.Name, ref.Field, credentials.Label, credentials.Value, credentials.LabelCommand(ns, ref.Name))
 		case err != nil:
 			return fmt.Errorf("reading Secret %s/%s (%s): %w", ns, ref.Name, ref.Field, err)
 		}
-		if err := credentials.Check(ref, &secret); err != nil {
+		if err := credentials.Check(ref, obj); err != nil {
 			return refuse(DenySecretNotLabelled, "IdempotencyPolicy %s/%s may not use this Secret: %v", ns, p.Name, err)
+		}
+		if ref.Managed && !metav1.IsControlledBy(obj, p) {
+			// The label alone would let whoever may create Secrets choose
+			// the password or seal keys of the policy's sidecars.
+			return refuse(DenySecretNotOwned, "Secret %s/%s (%s) is not controlled by IdempotencyPolicy %s/%s: idemcp makes this Secret itself and gives the sidecar only its own, and this one was made by someone else (the policy's StoreReady says %s); delete the Secret and idemcp makes its own, or rename the policy",
+				ns, ref.Name, ref.Field, ns, p.Name, v1alpha1.ReasonRedisObjectConflict)
+		}
+		if secret == nil {
+			if i.Unchecked != nil {
+				i.Unchecked(fmt.Sprintf("whether Secret %s/%s (%s) has the key %q: that needs the Secret's data, which kubectl idemcp never reads", ns, ref.Name, ref.Field, ref.Key))
+			}
+			continue
 		}
 		if _, ok := secret.Data[ref.Key]; !ok {
 			fix := fmt.Sprintf("add the key to the Secret, or change %s", ref.Field)
@@ -292,7 +334,7 @@ func (i *Injector) checkSecrets(ctx context.Context, ns string, p *v1alpha1.Idem
 			case ref.Managed && ref.Key == credentials.RedisPasswordKey:
 				fix = "the idemcp controller puts it back within seconds, and the pod's workload retries; if this stays, see the policy's StoreReady condition (kubectl -n " + ns + " describe idpol " + p.Name + ")"
 			case ref.Managed:
-				fix = "see the policy's StoreReady condition (kubectl -n " + ns + " describe idpol " + p.Name + "): delete the Secret and idemcp makes a new one (results stored under the old keys then run again once)"
+				fix = "the idemcp controller gives it a new key within seconds (results stored under the lost key then run again once; its Event SealKeysRepaired says so), and the pod's workload retries; if this stays, see the policy's StoreReady condition (kubectl -n " + ns + " describe idpol " + p.Name + ")"
 			}
 			return refuse(DenySecretKeyMissing, "Secret %s/%s (%s) has no key %q, which the sidecar's %s needs: the pod could not start; %s",
 				ns, ref.Name, ref.Field, ref.Key, ref.Env, fix)

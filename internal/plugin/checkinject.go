@@ -177,7 +177,8 @@ func CheckInject(ctx context.Context, c client.Reader, in *Install, pod *corev1.
 		Namespace: pod.Namespace, DryRun: ptr.To(true), Operation: admission.Create,
 	}})
 	trial := pod.DeepCopy()
-	skipped, err := in.injector(c).Decide(ctx, trial)
+	var unchecked []string
+	skipped, err := in.injector(c, func(what string) { unchecked = append(unchecked, "not checked: "+what) }).Decide(ctx, trial)
 	var refusal *webhook.Refusal
 	switch {
 	case errors.As(err, &refusal) && blocked:
@@ -224,6 +225,7 @@ func CheckInject(ctx context.Context, c client.Reader, in *Install, pod *corev1.
 	if !blocked && !v.WouldInject && len(v.Reasons) == 0 {
 		v.Reasons = append(v.Reasons, "the webhook leaves this pod alone: "+skipped)
 	}
+	v.Reasons = append(v.Reasons, unchecked...)
 	return v
 }
 

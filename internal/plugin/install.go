@@ -146,13 +146,17 @@ func defaultWebhook(managerNS string) *admissionv1.MutatingWebhook {
 }
 
 // injector is the webhook's own decision, configured as the manager's
-// flags configure it.
-func (in *Install) injector(c client.Reader) *webhook.Injector {
+// flags configure it, except that it reads Secrets as metadata only (the
+// plugin never fetches a Secret's data) and reports what it could not
+// check to unchecked instead of failing.
+func (in *Install) injector(c client.Reader, unchecked func(string)) *webhook.Injector {
 	return &webhook.Injector{
-		Client:           c,
-		Config:           in.Options.Sidecar,
-		ManagerNamespace: in.Options.Namespace,
-		MissingPolicy:    webhook.MissingPolicy(in.Options.MissingPolicy),
+		Client:              c,
+		Config:              in.Options.Sidecar,
+		ManagerNamespace:    in.Options.Namespace,
+		MissingPolicy:       webhook.MissingPolicy(in.Options.MissingPolicy),
+		SecretsMetadataOnly: true,
+		Unchecked:           unchecked,
 	}
 }
 
