@@ -534,8 +534,14 @@ func (w *world) injectInfraFaults(ctx context.Context) {
 			w.outages = append(w.outages, [2]time.Time{start, time.Now()})
 			w.mu.Unlock()
 			if w.mayLapse(time.Since(start)) {
+				// As the sidecars see it, the outage lasts until their
+				// redial probe finds Redis back: a claim reserved on a
+				// fresh connection can still lapse while its renewals go
+				// to pooled connections of the stopped Redis (seen: a
+				// claim reserved just after a restart, its call answered,
+				// lost 60ms later, "Lost the claim while the call runs").
 				w.mu.Lock()
-				w.pauses = append(w.pauses, [2]time.Time{start, time.Now()})
+				w.pauses = append(w.pauses, [2]time.Time{start, time.Now().Add(redialProbe)})
 				w.mu.Unlock()
 			}
 		case k == 1:
