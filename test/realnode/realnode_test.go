@@ -568,12 +568,17 @@ func (s *suite) policyStatus(t *testing.T) {
 	if len(lines) != 2 {
 		t.Fatalf("kubectl get idpol:\n%s", out)
 	}
-	head, row := strings.Fields(lines[0]), strings.Fields(lines[1])
+	// kubectl aligns the columns and leaves a cell blank when its field is
+	// unset (RETRY-WINDOW, without spec.retryWindow): read each cell at its
+	// header's offset, not by counting words.
+	header, row := lines[0], lines[1]
 	col := func(name string) string {
-		for i, h := range head {
-			if h == name && i < len(row) {
-				return row[i]
-			}
+		at := strings.Index(header, name)
+		if at < 0 || at >= len(row) {
+			return ""
+		}
+		if f := strings.Fields(row[at:]); len(f) > 0 && !strings.HasPrefix(row[at:], " ") {
+			return f[0]
 		}
 		return ""
 	}
