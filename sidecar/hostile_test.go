@@ -222,11 +222,11 @@ var otherClient = &http.Client{Timeout: 5 * time.Second, Transport: &http.Transp
 // after a request forever (no idle timeout).
 func TestHostileConnections(t *testing.T) {
 	if _, err := os.Stat("/proc/self/fd"); err != nil {
-		t.Skip("needs /proc to count the sidecar's open files")
+		t.Fatal("needs /proc to count the sidecar's open files")
 	}
 	const n = 3000
 	if limit := openFileLimit(); limit > 0 && limit < 2*n+1024 {
-		t.Skipf("the open-file limit is %d; the flood needs %d connections (ulimit -n)", limit, 2*n)
+		t.Fatalf("the open-file limit is %d; the flood needs %d connections: raise it (ulimit -Hn)", limit, 2*n)
 	}
 	up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Content-Type", "application/json")
