@@ -10,6 +10,7 @@ here="$(cd "$(dirname "$0")" && pwd)"
 # shellcheck source=env.sh
 source "$here/env.sh"
 [[ $(id -u) == 0 ]] || { rn_log "check self-test: needs root (network namespaces)"; exit 1; }
+rn_lock
 
 fail() {
 	rn_log "check self-test: $*"
@@ -48,10 +49,10 @@ done
 umount "$dir/netns"
 mkdir "$leak_dir"
 
-if left="$(diff <(echo "$before") <(rn_host_state))"; then
+if left="$(diff <(echo "$before") <(RN_CHECK_NETNS="$ns" rn_host_state))"; then
 	fail "the check found nothing, with a process in net:[$ns] and $leak_dir left behind"
 fi
-grep -q "^> .*in network namespace net:\[$ns\]: .*/sleep$" <<<"$left" ||
+grep -q "^> .*in network namespace net:\[$ns\]: " <<<"$left" ||
 	fail "the check did not name the process left in net:[$ns]; it said: $left"
 grep -qxF "> ${leak_dir#/opt/}" <<<"$left" ||
 	fail "the check did not name $leak_dir; it said: $left"

@@ -23,35 +23,29 @@ if [[ -e "$RN_STATE" ]] && { [[ -L "$RN_STATE" ]] || [[ "$(stat -c %u "$RN_STATE
 	rn_log "$RN_STATE is a symlink or not owned by root; not trusting it: remove it by hand"
 	exit 1
 fi
+rn_in_cluster_netns
 RN_BIN="$(cat "$RN_STATE/bin" 2>/dev/null || true)"
 host_ns="$(rn_netns_of $$)"
-netns=""
 
 # ours PID: PID is one of the cluster's processes: it runs a binary of the
 # realnode cache or the state directory, or it is in the cluster's or a
 # pod's network namespace (kube-apiserver and etcd run the envtest cache's
 # binaries, which envtest tests also run, in the host's namespace).
+# The namespaces are read afresh for each look (netns=...): a namespace
+# freed meanwhile may be handed to another process at once.
 ours() {
 	local exe ns
-	exe="$(rn_exe "$1")" || return 1
-	case "$exe" in "$RN_STATE"/* | "$RN_CACHE"/*) return 0 ;; esac
+	if exe="$(rn_exe "$1")"; then
+		case "$exe" in "$RN_STATE"/* | "$RN_CACHE"/bin-*/*) return 0 ;; esac
+	fi
 	ns="$(rn_netns_of "$1")" || return 1
-	[[ "$ns" != "$host_ns" && -n "$netns" ]] && grep -qxF -- "$ns" <<<"$netns"
-}
-# The network namespaces of the cluster and of its pods: every nsfs mount
-# under the state directory.
-cluster_netns() {
-	local m
-	awk -v s="$RN_STATE/" '$3 == "nsfs" && index($2, s) == 1 { print $2 }' /proc/self/mounts | while read -r m; do
-		stat -L -c %i "$m" 2>/dev/null
-	done
-	[[ -e /run/netns/idemcp-e2e ]] && stat -L -c %i /run/netns/idemcp-e2e 2>/dev/null
-	return 0
+	[[ "$ns" != "$host_ns" && -n "${netns:-}" ]] && grep -qxF -- "$ns" <<<"$netns"
 }
 # cluster_pids: every process the cluster started, found by executable, by
 # network namespace and by cgroup, whatever PID up.sh recorded.
 cluster_pids() {
-	local p pid c
+	local p pid c netns
+	netns="$(rn_cluster_netns)"
 	for p in /proc/[0-9]*; do
 		pid="${p#/proc/}"
 		ours "$pid" && echo "$pid"
@@ -69,17 +63,19 @@ sweep() {
 	# shellcheck disable=SC2086
 	kill $pids 2>/dev/null
 	for ((i = 0; i < 10; i++)); do
+		sleep 0.3
 		pids="$(cluster_pids | sort -u)"
 		[[ -n "$pids" ]] || return 0
-		sleep 0.3
 	done
 	for ((i = 0; i < 20; i++)); do
+		pids="$(cluster_pids | sort -u)"
+		[[ -n "$pids" ]] || return 0
 		# shellcheck disable=SC2086
 		kill -9 $pids 2>/dev/null
 		sleep 0.25
-		pids="$(cluster_pids | sort -u)"
-		[[ -n "$pids" ]] || return 0
 	done
+	pids="$(cluster_pids | sort -u)"
+	[[ -n "$pids" ]] || return 0
 	rn_log "processes of the cluster still running after SIGKILL: $(tr '\n' ' ' <<<"$pids")"
 	return 1
 }
@@ -88,7 +84,7 @@ stop() { # name: SIGTERM, then SIGKILL after 15 s
 	[[ -f "$f" ]] || return 0
 	p="$(cat "$f")"
 	# Only if the PID still runs a binary of this cluster (not a reused PID).
-	if ours "$p" && kill -0 "$p" 2>/dev/null; then
+	if netns="$(rn_cluster_netns)" ours "$p" && kill -0 "$p" 2>/dev/null; then
 		kill "$p" 2>/dev/null
 		for ((i = 0; i < 30; i++)); do kill -0 "$p" 2>/dev/null || break; sleep 0.5; done
 		kill -9 "$p" 2>/dev/null
@@ -96,7 +92,6 @@ stop() { # name: SIGTERM, then SIGKILL after 15 s
 	rm -f "$f"
 }
 
-netns="$(cluster_netns)"
 # kubelet first, so that nothing restarts the containers removed below.
 for n in kubelet kube-proxy kube-scheduler kube-controller-manager dns; do stop "$n"; done
 # The containers and their shims: a shim whose task is gone exits.
@@ -137,12 +132,16 @@ fi
 # Directories runc, CNI and kubelet make at fixed places, unless they were
 # there before.
 # Without the record of what was there before, remove none of them.
+# Only those up.sh looked at: one started by an older up.sh did not record
+# the directories added to RN_HOST_DIRS since (they may be the host's own).
 if [[ -f "$RN_STATE/preexisting" ]]; then
-	for p in $RN_HOST_DIRS; do
+	checked="/var/lib/kubelet /var/lib/cni /run/containerd /var/log/containers /var/log/pods /etc/cni"
+	[[ -f "$RN_STATE/host-dirs-checked" ]] && checked="$(cat "$RN_STATE/host-dirs-checked")"
+	for p in $checked; do
 		grep -qxF "$p" "$RN_STATE/preexisting" || rm -rf "$p"
 	done
 fi
-if grep -q " $RN_STATE" /proc/self/mounts; then
+if awk -v s="$RN_STATE/" 'index($2, s) == 1 { found = 1 } END { exit !found }' /proc/self/mounts; then
 	rn_log "mounts remain under $RN_STATE; leaving it"
 	exit 1
 fi

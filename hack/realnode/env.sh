@@ -80,30 +80,54 @@ rn_netns_of() {
 	ns="${ns#net:[}"
 	echo "${ns%]}"
 }
+# rn_cluster_netns prints the inodes of the cluster's network namespaces:
+# every nsfs mount under the state directory (the cluster's own and the
+# pods'), and an older up.sh's /run/netns/idemcp-e2e. A mount pins its
+# inode, so a list read now names no namespace the kernel gave to another.
+rn_cluster_netns() {
+	local m
+	awk -v s="$RN_STATE/" '$3 == "nsfs" && index($2, s) == 1 { print $2 }' /proc/self/mounts | while read -r m; do
+		stat -L -c %i "$m" 2>/dev/null
+	done
+	[[ -e /run/netns/idemcp-e2e ]] && stat -L -c %i /run/netns/idemcp-e2e 2>/dev/null
+	return 0
+}
+# rn_in_cluster_netns refuses to go on in a shell inside the cluster's
+# network namespace (nsenter --net=/run/idemcp-e2e/netns bash): there the
+# cluster's processes look like the host's.
+rn_in_cluster_netns() {
+	local ns
+	ns="$(rn_netns_of $$)"
+	if [[ -n "$ns" ]] && grep -qxF -- "$ns" <<<"$(rn_cluster_netns)"; then
+		rn_log "this shell is inside the cluster's network namespace: run it from the host's"
+		exit 1
+	fi
+}
 # rn_host_state prints what a run must leave as it found it: every process
 # running a binary of the realnode cache or the state directory; every
-# process in a network namespace other than the host's (the cluster's and
-# its pods' namespaces are the only ones a run makes, and a process in one
-# outlives the namespace's file: the cluster's kube-apiserver and etcd run
-# the envtest cache's binaries, which the envtest tests run too, in the
-# host's namespace); mounts; network namespaces under /run/netns; the host's
+# process in one of the network namespaces RN_CHECK_NETNS names (the
+# cluster's and its pods', read by test.sh before the teardown: a process
+# in one outlives the namespace's file, and the cluster's kube-apiserver
+# and etcd run the envtest cache's binaries, which envtest tests run too,
+# in the host's namespace); mounts; network namespaces under /run/netns; the host's
 # nftables tables; the sysctls above; the cgroup root; and the entries of
 # the host directories kubelet, containerd, runc, CNI and util-linux write
 # to. make test-e2e compares it before and after; "before" may be a machine
-# that never ran the project. Process lines name executables and
+# that never ran the project. Processes in other namespaces (a browser's
+# sandbox, another container runtime) come and go on a developer's machine
+# and are not the run's. Process lines name executables and
 # namespaces, not PIDs, so that the comparison sees what changed and not
 # which PIDs the kernel handed out.
 rn_host_state() {
-	local p pid exe k d host_ns ns
-	host_ns="$(rn_netns_of $$)"
-	echo "# processes of the cluster, or in a network namespace not the host's"
+	local p pid exe k d ns
+	echo "# processes of the cluster: its binaries, or in its network namespaces"
 	for p in /proc/[0-9]*; do
 		pid="${p#/proc/}"
-		exe="$(rn_exe "$pid")" || continue
-		ns="$(rn_netns_of "$pid")" || continue
+		exe="$(rn_exe "$pid")" || exe="(unreadable)"
+		ns="$(rn_netns_of "$pid")" || ns=""
 		case "$exe" in
 		"$RN_STATE"/* | "$RN_CACHE"/*) echo "cluster binary $exe (net:[$ns])" ;;
-		*) [[ "$ns" == "$host_ns" ]] || echo "in network namespace net:[$ns]: $exe" ;;
+		*) [[ -n "$ns" && -n "${RN_CHECK_NETNS:-}" ]] && grep -qxF -- "$ns" <<<"$RN_CHECK_NETNS" && echo "in network namespace net:[$ns]: $exe" ;;
 		esac
 	done | sort | uniq -c
 	echo "# mounts"

@@ -13,6 +13,7 @@ source "$here/env.sh"
 t0=$(date +%s)
 phase() { rn_log "phase $1: $(($(date +%s) - $2))s"; }
 rn_lock
+rn_in_cluster_netns
 "$here/check-selftest.sh"
 t=$(date +%s)
 "$here/build.sh" >/dev/null
@@ -23,10 +24,13 @@ teardown() {
 	local st=$? t left
 	((st == 0)) || rc=$st
 	t=$(date +%s)
+	# The cluster's and its pods' namespaces, while their mounts pin them:
+	# a process left in one after the teardown is the run's.
+	RN_CHECK_NETNS="$(rn_cluster_netns)"
 	"$here/down.sh" || rc=1
 	phase down "$t"
 	# Nothing the run made may outlive it.
-	if left="$(diff <(echo "$host_before") <(rn_host_state))"; then
+	if left="$(diff <(echo "$host_before") <(RN_CHECK_NETNS="$RN_CHECK_NETNS" rn_host_state))"; then
 		rn_log "nothing left behind (processes of the cluster or in its network namespaces, mounts, network namespaces, nftables, sysctls, cgroups, host directories)"
 	else
 		rn_log "left behind on the host (< before, > after):"

@@ -22,7 +22,7 @@ phase() { rn_log "$1 ($(($(date +%s) - t0))s)"; }
 rn_lock
 RN_BIN="$("$here/build.sh")"
 phase "binaries ready in $RN_BIN"
-if [[ -e "$RN_STATE" || -n "$(rn_cgroups)" ]]; then
+if [[ -e "$RN_STATE" || -e /run/netns/idemcp-e2e || -n "$(rn_cgroups)" ]]; then
 	rn_log "a cluster (or its leftovers) exists: run hack/realnode/down.sh (make e2e-down) first"
 	exit 1
 fi
@@ -33,6 +33,8 @@ echo "$RN_BIN" >"$RN_STATE/bin"
 # What to restore or remove on teardown.
 for k in $(rn_sysctl_keys); do printf '%s=%s\n' "$k" "$(sysctl -n "$k" 2>/dev/null)"; done >"$RN_STATE/sysctls.saved"
 for p in $RN_HOST_DIRS; do [[ -e $p ]] && echo "$p"; done >"$RN_STATE/preexisting" || true
+# Which ones were looked at: a later down.sh may know more of them.
+printf '%s\n' $RN_HOST_DIRS >"$RN_STATE/host-dirs-checked"
 # kubelet's cgroup root, in every hierarchy; a new cpuset needs CPUs and
 # memory nodes before anything can join it.
 awk '($3 == "cgroup" || $3 == "cgroup2") && $2 ~ /^\/sys\/fs\/cgroup(\/|$)/ { print $2 }' /proc/self/mounts | sort -u | while read -r m; do
