@@ -8,7 +8,6 @@ import (
 	"io"
 	"sort"
 	"strings"
-	"text/tabwriter"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -161,12 +160,7 @@ func printReport(out, errOut io.Writer, r *Report, wide bool) {
 		_, _ = fmt.Fprintln(out, "No problems found.")
 		return
 	}
-	tw := tabwriter.NewWriter(out, 0, 4, 2, ' ', 0)
-	if wide {
-		_, _ = fmt.Fprintln(tw, "CODE\tSEVERITY\tOBJECT\tMESSAGE\tDOCS")
-	} else {
-		_, _ = fmt.Fprintln(tw, "CODE\tSEVERITY\tOBJECT\tMESSAGE")
-	}
+	tw := newTable(out, wide, "CODE\tSEVERITY\tOBJECT\tMESSAGE", "\tDOCS")
 	for _, f := range r.Findings {
 		if wide {
 			_, _ = fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\n", f.Code, f.Severity, f.Object, f.Message, f.Docs)

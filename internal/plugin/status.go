@@ -169,12 +169,7 @@ func printStatus(w io.Writer, st *PolicyStatus, wide bool) {
 		_, _ = fmt.Fprintln(w, "No injected pod uses this policy.")
 		return
 	}
-	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
-	if wide {
-		_, _ = fmt.Fprintln(tw, "POD\tREADY\tSTREAM\tPOLICY-HASH\tCURRENT\tSTORE\tVERSION\tINJECTED-HASH\tNODE\tIMAGE")
-	} else {
-		_, _ = fmt.Fprintln(tw, "POD\tREADY\tSTREAM\tPOLICY-HASH\tCURRENT\tSTORE\tVERSION")
-	}
+	tw := newTable(w, wide, "POD\tREADY\tSTREAM\tPOLICY-HASH\tCURRENT\tSTORE\tVERSION", "\tINJECTED-HASH\tNODE\tIMAGE")
 	probeFailed := false
 	for _, s := range st.Pods {
 		hash := s.AppliedHash
@@ -199,4 +194,15 @@ func orDash(s string) string {
 		return "-"
 	}
 	return s
+}
+
+// newTable starts a kubectl-style table on w with its header: the columns,
+// and with -o wide the wide ones after them. Flush it when done.
+func newTable(w io.Writer, wide bool, columns, wideColumns string) *tabwriter.Writer {
+	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+	if wide {
+		columns += wideColumns
+	}
+	_, _ = fmt.Fprintln(tw, columns)
+	return tw
 }
