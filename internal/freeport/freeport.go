@@ -6,7 +6,12 @@
 // (to the API server, to Redis) takes its local port from, so a connection
 // made in between can hold it by the time the program binds. Ports handed
 // out here lie below the ephemeral range, where no outgoing connection
-// lands, and are never handed out twice by one process.
+// lands, and are never handed out twice on one machine while the process
+// that took them lives: each port is also reserved by a lock on a file
+// named after it, which the kernel drops when that process ends. Without
+// it, a test that stops a server and starts another on the same address
+// (a manager coming back) could lose the port to another test binary that
+// `go test ./...` runs beside it.
 package freeport
 
 import (
@@ -41,7 +46,7 @@ func Port(host string) (int, error) {
 	}
 	for range 200 {
 		p := low + rand.IntN(high-low) //nolint:gosec // spreads picks, not a secret
-		if issued[p] {
+		if issued[p] || !reserve(p) {
 			continue
 		}
 		l, err := net.Listen("tcp", net.JoinHostPort(host, strconv.Itoa(p)))
