@@ -10,6 +10,7 @@ import (
 	"io"
 	"net/http"
 	"net/url"
+	"os"
 	"strings"
 	"time"
 
@@ -47,7 +48,8 @@ Every release and forget leaves an Event on the policy naming you.
 
 The manager is reached through the API server (get on the Service's
 services/proxy in its namespace), or with --manager-url directly, such as
-through kubectl -n idemcp-system port-forward svc/idemcp-policy-stream 9444.
+through kubectl -n idemcp-system port-forward svc/idemcp-policy-stream 9444
+(its certificate is checked against the webhook's CA, or --manager-ca).
 Either way it needs a bearer token from your kubeconfig (a token, OIDC or
 an exec plugin; not a client certificate).`,
 		Example: `  kubectl idemcp keys list payments -n shop --state outcome-unknown
@@ -64,7 +66,7 @@ an exec plugin; not a client certificate).`,
 			if err != nil {
 				return err
 			}
-			k, err := newKeyClient(cmd.Context(), e, g.managerURL)
+			k, err := newKeyClient(cmd.Context(), e, g.managerURL, g.managerCA)
 			if err != nil {
 				return err
 			}
@@ -261,17 +263,28 @@ type keyClient struct {
 	header string
 }
 
-func newKeyClient(ctx context.Context, e *Env, managerURL string) (*keyClient, error) {
+func newKeyClient(ctx context.Context, e *Env, managerURL, managerCA string) (*keyClient, error) {
 	token, err := bearerToken(e.Config)
 	if err != nil {
 		return nil, err
 	}
 	if managerURL != "" {
-		// The manager's serving certificate comes from the webhook's CA.
+		// The manager serves with the webhook's certificate: its CA is the
+		// webhook's caBundle, or the file --manager-ca names.
 		pool := x509.NewCertPool()
-		in := FindInstall(ctx, e)
-		if in.Webhook == nil || len(in.Webhook.ClientConfig.CABundle) == 0 || !pool.AppendCertsFromPEM(in.Webhook.ClientConfig.CABundle) {
-			return nil, fmt.Errorf("--manager-url: the manager's CA is read from the caBundle of the %s webhook, and none was found (get on mutatingwebhookconfigurations)", WebhookName)
+		var ca []byte
+		if managerCA != "" {
+			if ca, err = os.ReadFile(managerCA); err != nil {
+				return nil, fmt.Errorf("--manager-ca: %w", err)
+			}
+		} else if in := FindInstall(ctx, e); in.Webhook != nil {
+			ca = in.Webhook.ClientConfig.CABundle
+		}
+		if !pool.AppendCertsFromPEM(ca) {
+			if managerCA != "" {
+				return nil, fmt.Errorf("--manager-ca %s holds no PEM certificate", managerCA)
+			}
+			return nil, fmt.Errorf("--manager-url: the manager's CA is the caBundle of the %s webhook, which could not be read (list of mutatingwebhookconfigurations): pass it with --manager-ca FILE", WebhookName)
 		}
 		tr := http.DefaultTransport.(*http.Transport).Clone()
 		tr.TLSClientConfig = &tls.Config{RootCAs: pool, MinVersion: tls.VersionTLS12}

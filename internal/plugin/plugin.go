@@ -72,6 +72,7 @@ type globalFlags struct {
 	managerNS  string
 	output     string
 	managerURL string
+	managerCA  string
 }
 
 // NewCommand returns kubectl-idemcp.
@@ -101,6 +102,7 @@ your permissions. Only keys release and keys forget change anything.
 	// --server, --token and the rest.
 	clientcmd.BindOverrideFlags(&g.overrides, fs, clientcmd.RecommendedConfigOverrideFlags(""))
 	fs.StringVar(&g.managerURL, "manager-url", "", "reach the idemcp manager's key API at this https:// URL (keys), such as https://localhost:9444 through kubectl port-forward, instead of through the API server's service proxy")
+	fs.StringVar(&g.managerCA, "manager-ca", "", "PEM file of the CA that --manager-url's certificate verifies against (default: the caBundle of the inject.idemcp.io webhook)")
 	fs.StringVar(&g.managerNS, "manager-namespace", "", "namespace of the idemcp manager (default: found by its labels, app.kubernetes.io/name=idemcp, app.kubernetes.io/component=manager)")
 
 	var env envFunc = func(*cobra.Command) (*Env, error) {
