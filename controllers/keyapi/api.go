@@ -20,7 +20,7 @@ import (
 	"time"
 )
 
-// Path is where the API is served, on the policy stream's listener:
+// PathPrefix is where the API is served, on the policy stream's listener:
 // PathPrefix + NAMESPACE/idempotencypolicies/NAME/keys[/KEY[/result|/release|/forget]].
 const PathPrefix = "/keys/v1/namespaces/"
 

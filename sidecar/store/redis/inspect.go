@@ -2,6 +2,7 @@ package redisstore
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strconv"
 	"strings"
@@ -35,7 +36,7 @@ func (s *Store) Records(ctx context.Context, limit int) ([]store.Record, error) 
 					continue
 				}
 				r, _, err := s.lookup(ctx, c, strings.TrimPrefix(k, s.prefix), false)
-				if err == store.ErrNoRecord {
+				if errors.Is(err, store.ErrNoRecord) {
 					continue // expired meanwhile, or not a record
 				}
 				if err != nil {
@@ -92,7 +93,7 @@ func (s *Store) lookup(ctx context.Context, c redis.Cmdable, key string, withRes
 		ttl = p.PTTL(ctx, s.prefix+key)
 		return nil
 	})
-	if err != nil && err != redis.Nil {
+	if err != nil && !errors.Is(err, redis.Nil) {
 		return store.Record{}, nil, unavailable("lookup", key, err)
 	}
 	v := hm.Val()
