@@ -116,7 +116,7 @@ func (s *suite) analyzeServiceAndVersion(t *testing.T) {
 			if apierrors.IsNotFound(err) {
 				return nil
 			}
-			return fmt.Errorf("still there: %v", err)
+			return fmt.Errorf("still there: %w", err)
 		})
 	}()
 	current := ""
