@@ -84,15 +84,15 @@ the pod whose sidecar claimed it. -o wide adds the full hash, the lease's
 end and, for a Memory store, the sidecar that holds it.`,
 		Example: `  kubectl idemcp keys list payments -n shop
   kubectl idemcp keys list payments -n shop --state outcome-unknown --tool charge_card --since 1h`,
-		RunE: run(1, "list takes one POLICY", func(ctx context.Context, e *Env, k *keyClient, args []string) error {
-			if err := checkOutput(g.output, "", "json", "yaml", "wide"); err != nil {
-				return err
-			}
+		PreRunE: func(*cobra.Command, []string) error {
 			switch kf.state {
 			case "", "pending", "outcome-unknown", "completed":
 			default:
 				return &ExitError{Code: 2, Err: fmt.Errorf("--state %q is not one of pending, outcome-unknown, completed", kf.state)}
 			}
+			return checkOutput(g.output, "", "json", "yaml", "wide")
+		},
+		RunE: run(1, "list takes one POLICY", func(ctx context.Context, e *Env, k *keyClient, args []string) error {
 			var l keyapi.List
 			if err := k.do(ctx, http.MethodGet, keyapi.KeysPath(e.Namespace, args[0]), &l); err != nil {
 				return err
@@ -121,10 +121,8 @@ response too, which needs get on idempotencypolicies/results (the edit
 role): a result may hold what only its caller should read.`,
 		Example: `  kubectl idemcp keys show payments 3f9a1c2b7d0e -n shop
   kubectl idemcp keys show payments 3f9a1c2b7d0e -n shop --result -o json`,
+		PreRunE: func(*cobra.Command, []string) error { return checkOutput(g.output, "", "json", "yaml") },
 		RunE: run(2, "show takes a POLICY and a KEY", func(ctx context.Context, e *Env, k *keyClient, args []string) error {
-			if err := checkOutput(g.output, "", "json", "yaml"); err != nil {
-				return err
-			}
 			path := keyapi.KeysPath(e.Namespace, args[0]) + "/" + url.PathEscape(args[1])
 			if kf.result {
 				var r keyapi.Result
@@ -158,10 +156,8 @@ role): a result may hold what only its caller should read.`,
 			Short:   short,
 			Long:    long,
 			Example: fmt.Sprintf("  kubectl idemcp keys %s payments 3f9a1c2b7d0e -n shop", op),
+			PreRunE: func(*cobra.Command, []string) error { return checkOutput(g.output, "", "json", "yaml") },
 			RunE: run(2, op+" takes a POLICY and a KEY", func(ctx context.Context, e *Env, k *keyClient, args []string) error {
-				if err := checkOutput(g.output, "", "json", "yaml"); err != nil {
-					return err
-				}
 				var ch keyapi.Change
 				path := keyapi.KeysPath(e.Namespace, args[0]) + "/" + url.PathEscape(args[1]) + "/" + op
 				if err := k.do(ctx, http.MethodPost, path, &ch); err != nil {
@@ -311,6 +307,11 @@ func newKeyClient(ctx context.Context, e *Env, managerURL, managerCA string) (*k
 // a token file, OIDC or an exec plugin), read by running a request
 // through the same wrappers client-go uses, without sending it.
 func bearerToken(cfg *rest.Config) (string, error) {
+	if cfg.Impersonate.UserName != "" || len(cfg.Impersonate.Groups) > 0 || cfg.Impersonate.UID != "" {
+		// The manager reviews the token itself: it would decide for the
+		// token's own user, not for the one impersonated.
+		return "", &ExitError{Code: 2, Err: errors.New("keys does not take --as, --as-group or --as-uid (nor a kubeconfig that impersonates): the manager authorizes the user whose token it gets; use that user's own kubeconfig")}
+	}
 	var got string
 	rt, err := rest.HTTPWrappersForConfig(cfg, roundTripper(func(r *http.Request) (*http.Response, error) {
 		got = r.Header.Get("Authorization")
