@@ -1,9 +1,11 @@
 // Package plugin is kubectl-idemcp, the kubectl plugin that explains what
 // idemcp does in a cluster: analyze (misconfigurations, each with a code),
-// check-inject (why a pod is or is not injected, as the webhook decides)
-// and status (each sidecar of a policy). It reads only what the API server
-// and the manager already publish, with the user's own kubeconfig and
-// permissions.
+// check-inject (why a pod is or is not injected, as the webhook decides),
+// status (each sidecar of a policy) and keys (a policy's stored keys,
+// through the manager's key API). It reads what the API server, the
+// manager and the sidecars already publish, with the user's own
+// kubeconfig and permissions; only keys release and forget change
+// anything, as RBAC allows.
 package plugin
 
 import (

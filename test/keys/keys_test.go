@@ -9,6 +9,8 @@ package keys_test
 import (
 	"bytes"
 	"context"
+	"crypto/tls"
+	"crypto/x509"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -39,6 +41,7 @@ import (
 
 	"github.com/idemcp/idemcp/api/v1alpha1"
 	"github.com/idemcp/idemcp/cmd/manager"
+	"github.com/idemcp/idemcp/controllers/keyapi"
 	"github.com/idemcp/idemcp/controllers/policystream"
 	"github.com/idemcp/idemcp/internal/credentials"
 	"github.com/idemcp/idemcp/internal/freeport"
@@ -592,5 +595,57 @@ func TestKeysOnMemoryThroughTwoSidecars(t *testing.T) {
 	eventNaming(t, ns, name, "KeyForgotten", editor.name, charge0)
 	if code, resp := call(t, a.Addr, "charge_card", "a-1", `{"amount":1}`); code != 0 || !strings.Contains(resp, "charge_card #3 done") {
 		t.Fatalf("the call after forget got %d %s, want it to run (charge #3)", code, resp)
+	}
+}
+
+// TestKeysNeedATokenTheAPIServerAccepts: without a token, with one the API
+// server does not accept, or with a sidecar's (audience idemcp, which may
+// only read its policy), the key API answers 401 and shows nothing.
+func TestKeysNeedATokenTheAPIServerAccepts(t *testing.T) {
+	const ns, name = "keys-authn", "payments"
+	namespace(t, ns)
+	createPolicy(t, ns, name, v1alpha1.IdempotencyPolicySpec{Store: v1alpha1.StoreSpec{Type: v1alpha1.StoreMemory}})
+	pod := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "mcp-0", Labels: map[string]string{v1alpha1.LabelPolicy: name}},
+		Spec:       corev1.PodSpec{ServiceAccountName: "mcp", Containers: []corev1.Container{{Name: "mcp", Image: "mcp:1"}}},
+	}
+	if err := k8s.Create(context.Background(), pod); err != nil {
+		t.Fatal(err)
+	}
+	tr, err := clientset.CoreV1().ServiceAccounts(ns).CreateToken(context.Background(), "mcp", &authnv1.TokenRequest{Spec: authnv1.TokenRequestSpec{
+		Audiences: []string{policywire.TokenAudience}, ExpirationSeconds: ptr.To[int64](3600),
+		BoundObjectRef: &authnv1.BoundObjectReference{Kind: "Pod", APIVersion: "v1", Name: pod.Name, UID: pod.UID},
+	}}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	pool := x509.NewCertPool()
+	pool.AppendCertsFromPEM(caPEM)
+	hc := &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{TLSClientConfig: &tls.Config{RootCAs: pool, MinVersion: tls.VersionTLS12}}}
+	for _, tc := range []struct{ name, auth string }{
+		{"no token", ""},
+		{"a token the API server does not accept", "Bearer not-a-token"},
+		{"a sidecar's token (audience idemcp)", "Bearer " + tr.Status.Token},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			for _, m := range []struct{ method, path string }{
+				{http.MethodGet, keyapi.KeysPath(ns, name)},
+				{http.MethodPost, keyapi.KeysPath(ns, name) + "/0123456789ab/forget"},
+			} {
+				req, _ := http.NewRequest(m.method, "https://"+streamAddr+m.path, nil)
+				if tc.auth != "" {
+					req.Header.Set("Authorization", tc.auth)
+				}
+				resp, err := hc.Do(req)
+				if err != nil {
+					t.Fatal(err)
+				}
+				b, _ := io.ReadAll(resp.Body)
+				_ = resp.Body.Close()
+				if resp.StatusCode != http.StatusUnauthorized || strings.Contains(string(b), "records") {
+					t.Fatalf("%s %s: %d %s, want 401 and nothing listed", m.method, m.path, resp.StatusCode, b)
+				}
+			}
+		})
 	}
 }
