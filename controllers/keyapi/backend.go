@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"strings"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -287,7 +288,11 @@ func (b *sidecars) drop(ctx context.Context, key string, d store.Drop) ([]Record
 		}
 	}
 	if len(dropped) == 0 {
-		if refusal == nil {
+		switch {
+		case refusal == nil && len(notes) > 0:
+			// A sidecar that did not answer may hold it.
+			refusal = refuse(http.StatusServiceUnavailable, "key %s was not dropped: %s; retry", Short(key), strings.Join(notes, "; "))
+		case refusal == nil:
 			refusal = dropError(key, store.Record{}, store.ErrNoRecord, now)
 		}
 		return nil, notes, refusal

@@ -28,6 +28,9 @@ type SidecarKeys struct {
 	Err error
 }
 
+// SidecarKeysTimeout bounds the wait for each sidecar's answer.
+const SidecarKeysTimeout = 5 * time.Second
+
 // AskSidecars sends req to every sidecar of the policy whose store is its
 // own (a Memory store: its Reports say Keys) and returns each one's
 // answer, waiting at most until ctx ends for each. Sidecars of a shared
@@ -45,6 +48,9 @@ func (s *Server) AskSidecars(ctx context.Context, namespace, name string, req po
 		}
 	}
 	s.mu.Unlock()
+	// One slow sidecar is a note in the answer, not the end of the request.
+	ctx, cancel := context.WithTimeout(ctx, SidecarKeysTimeout)
+	defer cancel()
 	out := make([]SidecarKeys, len(targets))
 	var wg sync.WaitGroup
 	for i, c := range targets {
@@ -66,16 +72,21 @@ func (s *Server) askOne(ctx context.Context, c *stream, req policywire.KeysReque
 	}
 	answer := s.keyAnswers.expect(c.pod, req.ID)
 	defer s.keyAnswers.drop(req.ID)
+	gone := fmt.Errorf("the policy stream of sidecar %s ended before it answered", c.pod)
 	select {
 	case c.keys <- append(line, '\n'):
+	case <-c.done:
+		return SidecarKeys{Pod: c.pod, Err: gone}
 	case <-ctx.Done():
 		return SidecarKeys{Pod: c.pod, Err: fmt.Errorf("sidecar %s did not take the request: %w", c.pod, ctx.Err())}
 	}
 	select {
 	case r := <-answer:
 		return SidecarKeys{Pod: c.pod, Reply: r}
+	case <-c.done:
+		return SidecarKeys{Pod: c.pod, Err: gone}
 	case <-ctx.Done():
-		return SidecarKeys{Pod: c.pod, Err: fmt.Errorf("sidecar %s did not answer: %w", c.pod, ctx.Err())}
+		return SidecarKeys{Pod: c.pod, Err: fmt.Errorf("sidecar %s did not answer within %s: %w", c.pod, SidecarKeysTimeout, ctx.Err())}
 	}
 }
 

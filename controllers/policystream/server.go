@@ -181,8 +181,10 @@ type stream struct {
 	sentCA      string
 	lastNonce   string
 	report      policywire.Report
-	// keys carries KeysRequests to write, besides snapshots.
+	// keys carries KeysRequests to write, besides snapshots; done is
+	// closed when the stream ends.
 	keys chan []byte
+	done <-chan struct{}
 }
 
 // New returns a server that reads through mgr's cache and writes with its
@@ -578,7 +580,7 @@ func (s *Server) serveStream(w http.ResponseWriter, r *http.Request) {
 		sctx, stop = context.WithDeadline(sctx, who.expires)
 		defer stop()
 	}
-	c := &stream{pod: who.pod, uid: who.uid, notify: make(chan struct{}, 1), cancel: cancel, keys: make(chan []byte, 4)}
+	c := &stream{pod: who.pod, uid: who.uid, notify: make(chan struct{}, 1), cancel: cancel, keys: make(chan []byte, 4), done: sctx.Done()}
 	poke(c.notify)
 	s.mu.Lock()
 	st := s.state(key)
