@@ -27,10 +27,12 @@ import (
 
 	authnv1 "k8s.io/api/authentication/v1"
 	corev1 "k8s.io/api/core/v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
 	eventsv1 "k8s.io/api/events/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
@@ -50,6 +52,7 @@ import (
 	"github.com/idemcp/idemcp/sidecar/store/redis/redistest"
 	"github.com/idemcp/idemcp/test/envtestutil"
 	"github.com/idemcp/idemcp/test/procs"
+	"github.com/idemcp/idemcp/test/testdeps"
 	"github.com/idemcp/idemcp/webhook"
 )
 
@@ -73,7 +76,9 @@ func TestMain(m *testing.M) {
 	streamAddr = addr
 	code := envtestutil.RunWithManager(m, manager.Options{
 		Namespace: "idemcp-system", MissingPolicy: "deny", Sidecar: webhook.DefaultConfig("idemcp:keys"),
-		PolicyStreamAddr: streamAddr, PolicyStreamService: policystream.DefaultServiceName,
+		// Every interface: TestKeysThroughTheAPIServer's Endpoints need an
+		// address that is not loopback, which the API server refuses.
+		PolicyStreamAddr: ":" + strings.TrimPrefix(streamAddr, "127.0.0.1:"), PolicyStreamService: policystream.DefaultServiceName,
 		PolicyStreamCA:    func(context.Context) ([]byte, error) { return caPEM, nil },
 		PolicyStreamFlush: 100 * time.Millisecond,
 	}, func(c *envtestutil.Cluster) {
@@ -648,4 +653,112 @@ func TestKeysNeedATokenTheAPIServerAccepts(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestKeysThroughTheAPIServer: without --manager-url the plugin reaches
+// the manager through the API server's service proxy, as a user who may
+// get services/proxy of the policy stream's Service; the API server
+// keeps Authorization for itself, so the user's token travels in
+// X-Idemcp-Authorization, and the manager still decides with RBAC.
+func TestKeysThroughTheAPIServer(t *testing.T) {
+	const ns, name, mgrNS = "keys-proxy", "payments", "idemcp-system"
+	ctx := context.Background()
+	installRoles(t)
+	namespace(t, ns)
+	if err := k8s.Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: mgrNS}}); err != nil && !strings.Contains(err.Error(), "already exists") {
+		t.Fatal(err)
+	}
+	// The Service as config/webhook makes it, its endpoint the manager
+	// this test runs (envtest has no endpoints controller).
+	_, portText, _ := net.SplitHostPort(streamAddr)
+	var port int32
+	_, _ = fmt.Sscan(portText, &port)
+	mgrPod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: mgrNS, Name: "idemcp-manager-0"},
+		Spec: corev1.PodSpec{Containers: []corev1.Container{{Name: "manager", Image: "idemcp:keys"}}}}
+	if err := k8s.Create(ctx, mgrPod); err != nil {
+		t.Fatal(err)
+	}
+	ip := hostIP(t)
+	mgrPod.Status.PodIP, mgrPod.Status.PodIPs = ip, []corev1.PodIP{{IP: ip}}
+	if err := k8s.Status().Update(ctx, mgrPod); err != nil {
+		t.Fatal(err)
+	}
+	if err := k8s.Create(ctx, &corev1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: mgrNS, Name: policystream.DefaultServiceName},
+		Spec: corev1.ServiceSpec{Ports: []corev1.ServicePort{{Name: "policy-stream", Port: policystream.DefaultPort, TargetPort: intstr.FromInt32(port)}}}}); err != nil {
+		t.Fatal(err)
+	}
+	if err := k8s.Create(ctx, &discoveryv1.EndpointSlice{
+		ObjectMeta:  metav1.ObjectMeta{Namespace: mgrNS, Name: policystream.DefaultServiceName + "-keys", Labels: map[string]string{discoveryv1.LabelServiceName: policystream.DefaultServiceName}},
+		AddressType: discoveryv1.AddressTypeIPv4,
+		Endpoints: []discoveryv1.Endpoint{{Addresses: []string{ip}, Conditions: discoveryv1.EndpointConditions{Ready: ptr.To(true)},
+			TargetRef: &corev1.ObjectReference{Kind: "Pod", Namespace: mgrNS, Name: mgrPod.Name, UID: mgrPod.UID}}},
+		Ports: []discoveryv1.EndpointPort{{Name: ptr.To("policy-stream"), Port: ptr.To(port), Protocol: ptr.To(corev1.ProtocolTCP)}},
+	}); err != nil {
+		t.Fatal(err)
+	}
+	viewer := newUser(t, ns, "viewer", viewerRole)
+	proxy := func(u user) {
+		if err := k8s.Create(ctx, &rbacv1.Role{ObjectMeta: metav1.ObjectMeta{Namespace: mgrNS, Name: "keys-proxy-" + ns},
+			Rules: []rbacv1.PolicyRule{{APIGroups: []string{""}, Resources: []string{"services/proxy"}, ResourceNames: []string{fmt.Sprintf("https:%s:%d", policystream.DefaultServiceName, policystream.DefaultPort)}, Verbs: []string{"get", "create"}}}}); err != nil && !strings.Contains(err.Error(), "already exists") {
+			t.Fatal(err)
+		}
+		sa := strings.Split(u.name, ":")
+		if err := k8s.Create(ctx, &rbacv1.RoleBinding{ObjectMeta: metav1.ObjectMeta{Namespace: mgrNS, Name: "keys-proxy-" + ns + "-" + sa[3]},
+			RoleRef:  rbacv1.RoleRef{APIGroup: "rbac.authorization.k8s.io", Kind: "Role", Name: "keys-proxy-" + ns},
+			Subjects: []rbacv1.Subject{{Kind: "ServiceAccount", Namespace: sa[2], Name: sa[3]}}}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	proxy(viewer)
+	p := createPolicy(t, ns, name, v1alpha1.IdempotencyPolicySpec{Store: v1alpha1.StoreSpec{Type: v1alpha1.StoreMemory}, DefaultMode: v1alpha1.ModeDeduplicate})
+	up := startUpstream(t)
+	sc := sidecar(t, p, "mcp-0", up.url, nil)
+	envtestutil.Eventually(t, "the sidecar to hold the policy stream", func() error {
+		if err := k8s.Get(ctx, client.ObjectKeyFromObject(p), p); err != nil {
+			return err
+		}
+		if p.Status.Sidecars == nil || p.Status.Sidecars.Connected != 1 {
+			return fmt.Errorf("status.sidecars is %+v", p.Status.Sidecars)
+		}
+		return nil
+	})
+	if code, resp := call(t, sc.Addr, "charge_card", "order-9", `{"amount":3}`); code != 0 {
+		t.Fatalf("charge: %d %s", code, resp)
+	}
+	through := func(u user, args ...string) (int, string, string) {
+		var out, errOut bytes.Buffer
+		code := plugin.Main(append(args, "--kubeconfig", u.kubeconfig), &out, &errOut)
+		return code, out.String(), errOut.String()
+	}
+	code, out, errOut := through(viewer, "keys", "list", name, "-n", ns)
+	if code != 0 || !strings.Contains(out, "charge_card") || !strings.Contains(out, "completed") || !strings.Contains(out, "mcp-0") {
+		t.Fatalf("keys list through the API server: exit %d\n%s%s\nwant the completed charge_card of mcp-0", code, out, errOut)
+	}
+	row := waitKey(t, viewer, ns, name, "charge_card", "completed")
+	if code, out, errOut := through(viewer, "keys", "forget", name, row.Key[:12], "-n", ns); code != 1 || !forbidden.MatchString(errOut) {
+		t.Fatalf("the viewer's forget through the API server: exit %d\n%s%s\nwant the manager's refusal", code, out, errOut)
+	}
+	// RBAC names the proxied Service as the URL does, scheme and port
+	// included; without it the API server refuses before the manager.
+	other := newUser(t, ns, "no-proxy", viewerRole)
+	if code, out, errOut := through(other, "keys", "list", name, "-n", ns); code != 1 || !strings.Contains(errOut, "Forbidden") && !strings.Contains(errOut, "forbidden") {
+		t.Fatalf("keys list without services/proxy: exit %d\n%s%s\nwant the API server's refusal", code, out, errOut)
+	}
+}
+
+// hostIP is an IPv4 address of this machine other than loopback, which
+// the API server proxies to.
+func hostIP(t *testing.T) string {
+	t.Helper()
+	addrs, err := net.InterfaceAddrs()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, a := range addrs {
+		if n, ok := a.(*net.IPNet); ok && n.IP.To4() != nil && !n.IP.IsLoopback() && !n.IP.IsLinkLocalUnicast() {
+			return n.IP.String()
+		}
+	}
+	testdeps.Missing(t, "no IPv4 address other than loopback: the API server proxies to none else")
+	return ""
 }
