@@ -9,6 +9,7 @@ import (
 	"github.com/idemcp/idemcp/internal/policywire"
 	"github.com/idemcp/idemcp/sidecar/engine"
 	"github.com/idemcp/idemcp/sidecar/policysync"
+	"github.com/idemcp/idemcp/sidecar/store"
 )
 
 // PushOptions reach the manager's policy stream; the webhook sets them.
@@ -43,7 +44,13 @@ func (s *Sidecar) startPush(ctx context.Context) error {
 	if name == "" {
 		return errors.New("--policy-endpoint needs a policy with a name (the webhook's IDEMCP_POLICY snapshot)")
 	}
+	var keys store.Inspector
+	if s.storeInfo.Kind == "Memory" {
+		// Only this sidecar holds its records: the manager asks it.
+		keys, _ = store.InspectorOf(s.store)
+	}
 	c, err := policysync.New(policysync.Options{
+		Keys:          keys,
 		Endpoint:      o.Endpoint,
 		Namespace:     ns,
 		Name:          name,

@@ -294,7 +294,8 @@ func New(o Options) (*Sidecar, error) {
 		return nil, err
 	}
 	eng := engine.New(engine.Options{Policy: pol, Store: st, Metrics: engine.NewMetrics(reg), Logger: log,
-		MaxWaitersPerKey: o.Limits.MaxWaitersPerKey, MaxWaitersPerPrincipal: o.Limits.MaxWaitersPerPrincipal})
+		MaxWaitersPerKey: o.Limits.MaxWaitersPerKey, MaxWaitersPerPrincipal: o.Limits.MaxWaitersPerPrincipal,
+		Pod: os.Getenv("POD_NAME")})
 	// Every connection to the MCP server goes through one dialer, which
 	// remembers the address that answers.
 	dialer := httpproxy.NewUpstreamDialer(up, dialIPs, log)

@@ -1,5 +1,5 @@
 // Command kubectl-idemcp is the kubectl plugin of idemcp: kubectl idemcp
-// analyze | check-inject | status. The logic is in internal/plugin.
+// analyze | check-inject | status | keys. The logic is in internal/plugin.
 package main
 
 import (

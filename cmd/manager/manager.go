@@ -41,6 +41,7 @@ import (
 
 	"github.com/idemcp/idemcp/api/v1alpha1"
 	"github.com/idemcp/idemcp/controllers"
+	"github.com/idemcp/idemcp/controllers/keyapi"
 	"github.com/idemcp/idemcp/controllers/policystream"
 	"github.com/idemcp/idemcp/internal/cli"
 	"github.com/idemcp/idemcp/internal/version"
@@ -390,10 +391,14 @@ func New(cfg *rest.Config, o Options) (ctrl.Manager, error) {
 		}
 	}
 	if streamOn {
+		// kubectl idemcp keys: served on the stream's listener, which the
+		// sidecars of a Memory store answer it through.
+		keys := &keyapi.Server{Client: mgr.GetClient(), APIReader: mgr.GetAPIReader(), Recorder: mgr.GetEventRecorder("idemcp-keys")}
 		stream := policystream.New(mgr, policystream.Options{Addr: o.PolicyStreamAddr, CertDir: o.WebhookCertDir, CABundle: policyCA, FlushInterval: o.PolicyStreamFlush,
 			WriteTimeout: o.PolicyStreamWriteTimeout, MaxStreams: o.PolicyStreamMaxStreams,
 			TokenReviewQPS: o.PolicyStreamTokenReviews, CARefresh: o.PolicyStreamCARefresh,
-			PodName: os.Getenv("POD_NAME"), PodNamespace: o.Namespace})
+			PodName: os.Getenv("POD_NAME"), PodNamespace: o.Namespace, Routes: keys.Routes})
+		keys.Stream = stream
 		if err := stream.Add(mgr); err != nil {
 			return nil, fmt.Errorf("adding the policy stream: %w", err)
 		}

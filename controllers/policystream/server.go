@@ -85,6 +85,9 @@ type Options struct {
 	// PodName and PodNamespace are the manager's own pod: the leader labels
 	// it LabelLeader, which the stream's Service selects. Empty: no label.
 	PodName, PodNamespace string
+	// Routes, if set, adds handlers to the stream's listener (the keys
+	// API of kubectl idemcp keys), served by every replica.
+	Routes func(*http.ServeMux)
 }
 
 // LabelLeader marks the manager pod that serves the policy stream.
@@ -111,6 +114,8 @@ type Server struct {
 	slots       chan struct{}
 	reviewLimit *rate.Limiter
 	reviews     *reviewCache
+
+	keyAnswers keyAnswers
 
 	mu       sync.Mutex
 	policies map[types.NamespacedName]*policyState
@@ -176,6 +181,10 @@ type stream struct {
 	sentCA      string
 	lastNonce   string
 	report      policywire.Report
+	// keys carries KeysRequests to write, besides snapshots; done is
+	// closed when the stream ends.
+	keys chan []byte
+	done <-chan struct{}
 }
 
 // New returns a server that reads through mgr's cache and writes with its
@@ -271,6 +280,9 @@ func (s *Server) listen(ctx context.Context) error {
 	s.addr <- ln.Addr()
 	mux := http.NewServeMux()
 	mux.HandleFunc("POST /v1/namespaces/{namespace}/idempotencypolicies/{name}/stream", s.serveStream)
+	if s.opts.Routes != nil {
+		s.opts.Routes(mux)
+	}
 	srv := &http.Server{
 		Handler:           mux,
 		ReadHeaderTimeout: 10 * time.Second,
@@ -568,7 +580,7 @@ func (s *Server) serveStream(w http.ResponseWriter, r *http.Request) {
 		sctx, stop = context.WithDeadline(sctx, who.expires)
 		defer stop()
 	}
-	c := &stream{pod: who.pod, uid: who.uid, notify: make(chan struct{}, 1), cancel: cancel}
+	c := &stream{pod: who.pod, uid: who.uid, notify: make(chan struct{}, 1), cancel: cancel, keys: make(chan []byte, 4), done: sctx.Done()}
 	poke(c.notify)
 	s.mu.Lock()
 	st := s.state(key)
@@ -604,6 +616,11 @@ func (s *Server) serveStream(w http.ResponseWriter, r *http.Request) {
 			return
 		case <-readDone:
 			return
+		case line := <-c.keys:
+			if !s.writeLine(rc, w, line) {
+				return
+			}
+			continue
 		case <-c.notify:
 		}
 		s.mu.Lock()
@@ -648,6 +665,10 @@ func (s *Server) readReports(r *http.Request, key types.NamespacedName, c *strea
 		if err := policywire.Decode(sc.Bytes(), &rep); err != nil {
 			log.FromContext(r.Context()).V(1).Info("Ending a stream that sent a bad report", "pod", c.pod, "err", err.Error())
 			return
+		}
+		if rep.KeysReply != nil {
+			s.keyAnswers.deliver(c.pod, rep.KeysReply)
+			continue
 		}
 		s.mu.Lock()
 		c.report = rep

@@ -1,9 +1,11 @@
 // Package plugin is kubectl-idemcp, the kubectl plugin that explains what
 // idemcp does in a cluster: analyze (misconfigurations, each with a code),
-// check-inject (why a pod is or is not injected, as the webhook decides)
-// and status (each sidecar of a policy). It reads only what the API server
-// and the manager already publish, with the user's own kubeconfig and
-// permissions.
+// check-inject (why a pod is or is not injected, as the webhook decides),
+// status (each sidecar of a policy) and keys (a policy's stored keys,
+// through the manager's key API). It reads what the API server, the
+// manager and the sidecars already publish, with the user's own
+// kubeconfig and permissions; only keys release and forget change
+// anything, as RBAC allows.
 package plugin
 
 import (
@@ -71,6 +73,8 @@ type globalFlags struct {
 	all        bool
 	managerNS  string
 	output     string
+	managerURL string
+	managerCA  string
 }
 
 // NewCommand returns kubectl-idemcp.
@@ -78,13 +82,14 @@ func NewCommand(out, errOut io.Writer) *cobra.Command {
 	g := &globalFlags{}
 	root := &cobra.Command{
 		Use:   "idemcp",
-		Short: "Explain idemcp in a cluster: what is misconfigured, why a pod is not injected, how each sidecar is",
+		Short: "Explain idemcp in a cluster: what is misconfigured, why a pod is not injected, how each sidecar is, what its store holds",
 		Long: `kubectl idemcp explains idemcp in a cluster, with your kubeconfig and
-your permissions. It only reads.
+your permissions. Only keys release and keys forget change anything.
 
   analyze       every misconfiguration found, each with a code and a link
   check-inject  whether a pod is (or would be) injected, and every reason
-  status        each sidecar of a policy: ready, policy applied, store, version`,
+  status        each sidecar of a policy: ready, policy applied, store, version
+  keys          a policy's stored keys: list, show, release, forget`,
 		SilenceUsage:      true,
 		SilenceErrors:     true,
 		Annotations:       map[string]string{cobra.CommandDisplayNameAnnotation: "kubectl idemcp"},
@@ -98,12 +103,14 @@ your permissions. It only reads.
 	// kubectl's own names: -n/--namespace, --context, --cluster, --user,
 	// --server, --token and the rest.
 	clientcmd.BindOverrideFlags(&g.overrides, fs, clientcmd.RecommendedConfigOverrideFlags(""))
+	fs.StringVar(&g.managerURL, "manager-url", "", "reach the idemcp manager's key API at this https:// URL (keys), such as https://localhost:9444 through kubectl port-forward, instead of through the API server's service proxy")
+	fs.StringVar(&g.managerCA, "manager-ca", "", "PEM file of the CA that --manager-url's certificate verifies against (default: the caBundle of the inject.idemcp.io webhook)")
 	fs.StringVar(&g.managerNS, "manager-namespace", "", "namespace of the idemcp manager (default: found by its labels, app.kubernetes.io/name=idemcp, app.kubernetes.io/component=manager)")
 
 	var env envFunc = func(*cobra.Command) (*Env, error) {
 		return g.env(out, errOut)
 	}
-	root.AddCommand(newAnalyzeCommand(g, env), newCheckInjectCommand(g, env), newStatusCommand(g, env), &cobra.Command{
+	root.AddCommand(newAnalyzeCommand(g, env), newCheckInjectCommand(g, env), newStatusCommand(g, env), newKeysCommand(g, env), &cobra.Command{
 		Use:   "version",
 		Short: "Print the plugin's version",
 		Args:  cobra.NoArgs,

@@ -616,16 +616,24 @@ func TestStatus(t *testing.T) {
 }
 
 func TestCommandLine(t *testing.T) {
-	for _, args := range [][]string{{"analyze", "-o", "table"}, {"status"}, {"check-inject"}, {"check-inject", "a", "-l", "x=y"}, {"analyze", "--bogus"}} {
+	for _, args := range [][]string{{"analyze", "-o", "table"}, {"status"}, {"check-inject"}, {"check-inject", "a", "-l", "x=y"}, {"analyze", "--bogus"},
+		{"keys", "list"}, {"keys", "list", "payments", "--state", "done"}, {"keys", "list", "payments", "-o", "table"},
+		{"keys", "show", "payments"}, {"keys", "release", "payments"}, {"keys", "forget", "payments", "a", "b"}, {"keys", "show", "payments", "3f9a1c", "-o", "wide"}} {
 		if _, _, code := run(t, args...); code != 2 {
 			t.Errorf("%q: exit %d, want 2", args, code)
 		}
 	}
-	for _, sub := range []string{"analyze", "check-inject", "status"} {
-		out, _, code := run(t, sub, "--help")
+	for _, sub := range []string{"analyze", "check-inject", "status", "keys list", "keys show", "keys release", "keys forget"} {
+		out, _, code := run(t, append(strings.Fields(sub), "--help")...)
 		if code != 0 || !strings.Contains(out, "kubectl idemcp "+sub) || !strings.Contains(out, "--namespace") || !strings.Contains(out, "--context") || !strings.Contains(out, "--output") {
 			t.Errorf("%s --help (exit %d) lacks kubectl's flags:\n%s", sub, code, out)
 		}
+	}
+	if out, _, _ := run(t, "keys", "list", "--help"); !strings.Contains(out, "json|yaml|wide") || !strings.Contains(out, "--state") || !strings.Contains(out, "--since") {
+		t.Errorf("keys list --help lacks -o json|yaml|wide, --state or --since:\n%s", out)
+	}
+	if out, _, _ := run(t, "--help"); !strings.Contains(out, "keys") || !strings.Contains(out, "--kubeconfig") {
+		t.Errorf("kubectl idemcp --help lacks keys or --kubeconfig:\n%s", out)
 	}
 }
 

@@ -57,6 +57,69 @@ type Snapshot struct {
 	// behind). Nil from managers before it was added: such a Snapshot is
 	// applied as it comes.
 	Order *Order `json:"order,omitempty"`
+	// Keys, when set, makes this line a request about the sidecar's own
+	// records (kubectl idemcp keys, for the Memory store) instead of a
+	// policy: the other fields are empty, and the sidecar answers with a
+	// Report whose KeysReply carries the same ID. The manager sends it
+	// only to sidecars whose Reports say Keys.
+	Keys *KeysRequest `json:"keys,omitempty"`
+}
+
+// Key operations of a KeysRequest.
+const (
+	KeysList    = "list"
+	KeysLookup  = "lookup"  // one record, with its stored response if Response
+	KeysRelease = "release" // a claim whose lease ran out
+	KeysForget  = "forget"  // a stored result
+)
+
+// KeysRequest asks a sidecar about the records of its own store.
+type KeysRequest struct {
+	ID string `json:"id"`
+	Op string `json:"op"`
+	// Key is the full store key (lookup, release, forget).
+	Key string `json:"key,omitempty"`
+	// Response asks lookup for the stored response too.
+	Response bool `json:"response,omitempty"`
+}
+
+// KeysReply codes: why a KeysRequest on one key did nothing.
+const (
+	KeysNotFound   = "not_found"
+	KeysWrongState = "wrong_state"
+	KeysLeaseLive  = "lease_live"
+)
+
+// MaxKeysListed bounds the records one sidecar lists in a reply, so that
+// the reply fits in MaxMessageBytes.
+const MaxKeysListed = 2000
+
+// MaxKeysResponseBytes bounds a stored response sent in a reply (it
+// travels in base64).
+const MaxKeysResponseBytes = 512 << 10
+
+// KeysReply is a sidecar's answer to a KeysRequest.
+type KeysReply struct {
+	ID      string      `json:"id"`
+	Records []KeyRecord `json:"records,omitempty"`
+	// Truncated says the sidecar holds more than MaxKeysListed records.
+	Truncated bool   `json:"truncated,omitempty"`
+	Response  []byte `json:"response,omitempty"`
+	// Code is one of the KeysReply codes, Error any other failure.
+	Code  string `json:"code,omitempty"`
+	Error string `json:"error,omitempty"`
+}
+
+// KeyRecord is one record as a sidecar lists it: never an argument, never
+// a response.
+type KeyRecord struct {
+	Key        string    `json:"key"`
+	Tool       string    `json:"tool,omitempty"`
+	Pod        string    `json:"pod,omitempty"`
+	Completed  bool      `json:"completed,omitempty"`
+	Claimed    time.Time `json:"claimed,omitzero"`
+	LeaseUntil time.Time `json:"leaseUntil,omitzero"`
+	Expires    time.Time `json:"expires,omitzero"`
 }
 
 // Order is where a policy's spec stands in its history: the object (its
@@ -102,6 +165,12 @@ type Report struct {
 	// UnscopedCalls counts calls forwarded without dedup because they had
 	// neither session nor principal; nil when the sidecar cannot tell.
 	UnscopedCalls *uint64 `json:"unscopedCalls,omitempty"`
+	// Keys says this sidecar answers KeysRequests: its store is its own
+	// (Memory), so only it can list and release its records.
+	Keys bool `json:"keys,omitempty"`
+	// KeysReply, when set, makes this Report an answer to a KeysRequest:
+	// it says nothing new of the policy the sidecar enforces.
+	KeysReply *KeysReply `json:"keysReply,omitempty"`
 }
 
 // Decode reads one message. Unknown fields are ignored, as in xDS: a

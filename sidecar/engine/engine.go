@@ -48,6 +48,7 @@ type Engine struct {
 	log     *slog.Logger
 
 	instance string
+	pod      string
 	seq      atomic.Uint64
 
 	unscoped     atomic.Uint64
@@ -69,11 +70,14 @@ type Options struct {
 	// 0 means the defaults; a negative value, no bound.
 	MaxWaitersPerKey       int
 	MaxWaitersPerPrincipal int
+	// Pod names this sidecar's pod in the claims it makes, for kubectl
+	// idemcp keys ("" outside a pod).
+	Pod string
 }
 
 // New returns an engine.
 func New(o Options) *Engine {
-	e := &Engine{store: o.Store, hints: NewToolHints(), metrics: o.Metrics, log: o.Logger,
+	e := &Engine{store: o.Store, hints: NewToolHints(), metrics: o.Metrics, log: o.Logger, pod: o.Pod,
 		waiters: newWaiters(o.MaxWaitersPerKey, o.MaxWaitersPerPrincipal)}
 	if e.metrics == nil {
 		e.metrics = NewMetrics(nil)
@@ -301,6 +305,8 @@ func (e *Engine) Execute(ctx context.Context, p *Plan, fwd Forward) (Outcome, er
 		Retention:   p.pendingRetention(),
 		TakeOver:    p.Rule.OnAbandoned != v1alpha1.AbandonedError,
 		Tenant:      p.Tenant,
+		Tool:        p.Tool,
+		Pod:         e.pod,
 	}
 	waits := claim.Waits{
 		Timeout: p.Policy.WaitTimeout,

@@ -26,6 +26,7 @@ import (
 
 	"github.com/idemcp/idemcp/internal/policy"
 	"github.com/idemcp/idemcp/internal/policywire"
+	"github.com/idemcp/idemcp/sidecar/store"
 )
 
 // Engine is what the client needs of the sidecar's engine.
@@ -77,6 +78,10 @@ type Options struct {
 	ReportTimeout time.Duration
 	// Transport overrides the HTTP transport (tests, benchmarks).
 	Transport http.RoundTripper
+	// Keys, when set, is the sidecar's own store (Memory), whose records
+	// the manager lists and resolves over the stream for kubectl idemcp
+	// keys; a shared store is read by the manager itself.
+	Keys store.Inspector
 }
 
 // DefaultReportTimeout is Options.ReportTimeout when not set: the
@@ -364,6 +369,12 @@ func (c *Client) session(ctx context.Context) (got bool, err error) {
 			}
 			continue
 		}
+		if snap.Keys != nil {
+			if err := send(c.keysReport(ctx, snap.Keys)); err != nil {
+				return got, err
+			}
+			continue
+		}
 		got = true
 		if snap.CABundle != "" && c.addCAs([]byte(snap.CABundle)) {
 			c.log.Info("Trusting the manager's current CA bundle for the next connections")
@@ -449,7 +460,7 @@ func (c *Client) apply(snap *policywire.Snapshot) (restart, nack string) {
 }
 
 func (c *Client) report(nonce, restart, nack string) policywire.Report {
-	r := policywire.Report{Version: c.o.Engine.Policy().Hash, Nonce: nonce, RestartRequired: restart, Error: nack}
+	r := policywire.Report{Version: c.o.Engine.Policy().Hash, Nonce: nonce, RestartRequired: restart, Error: nack, Keys: c.o.Keys != nil}
 	if restart == "" && c.o.StoreIdentity != "" && policywire.StoreIdentity(c.o.Engine.Policy().Spec.Store) != c.o.StoreIdentity {
 		r.RestartRequired = "the policy's store changed; this sidecar keeps the store it started with until its pod restarts"
 	}

@@ -46,6 +46,8 @@ type memEntry struct {
 	fingerprint string
 	owner       string
 	tenant      string
+	tool, pod   string
+	claimed     time.Time
 	response    []byte
 	completed   bool
 	leaseUntil  time.Time
@@ -219,7 +221,7 @@ func (m *Memory) putLocked(key string, e *memEntry) {
 }
 
 func entrySize(key string, e *memEntry) int64 {
-	return int64(entryOverhead + len(key) + len(e.fingerprint) + len(e.owner) + len(e.response))
+	return int64(entryOverhead + len(key) + len(e.fingerprint) + len(e.owner) + len(e.tool) + len(e.pod) + len(e.response))
 }
 
 // makeRoomLocked keeps the store within its bounds before adding n records
@@ -293,6 +295,9 @@ func newPending(c Claim, now time.Time) *memEntry {
 		fingerprint: c.Fingerprint,
 		owner:       c.Owner,
 		tenant:      c.Tenant,
+		tool:        c.Tool,
+		pod:         c.Pod,
+		claimed:     now,
 		leaseUntil:  now.Add(c.Lease),
 		expires:     now.Add(retention),
 		done:        make(chan struct{}),
@@ -402,4 +407,64 @@ func (m *Memory) Bytes() int64 {
 func (m *Memory) Close() error {
 	m.stopOnce.Do(func() { close(m.stop) })
 	return nil
+}
+
+var _ Inspector = (*Memory)(nil)
+
+func (e *memEntry) record(key string) Record {
+	r := Record{Key: key, Tool: e.tool, Pod: e.pod, Completed: e.completed, Claimed: e.claimed, Expires: e.expires}
+	if !e.completed {
+		r.LeaseUntil = e.leaseUntil
+	}
+	return r
+}
+
+// Records implements Inspector.
+func (m *Memory) Records(_ context.Context, limit int) ([]Record, error) {
+	now := m.now()
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	out := []Record{}
+	for k, e := range m.entries {
+		if !now.Before(e.expires) {
+			continue
+		}
+		if limit > 0 && len(out) == limit {
+			break
+		}
+		out = append(out, e.record(k))
+	}
+	return out, nil
+}
+
+// Lookup implements Inspector.
+func (m *Memory) Lookup(_ context.Context, key string) (Record, []byte, error) {
+	now := m.now()
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	e, ok := m.entries[key]
+	if !ok || !now.Before(e.expires) {
+		return Record{}, nil, ErrNoRecord
+	}
+	return e.record(key), e.response, nil
+}
+
+// Drop implements Inspector.
+func (m *Memory) Drop(_ context.Context, key string, d Drop) (Record, error) {
+	now := m.now()
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	e, ok := m.entries[key]
+	if !ok || !now.Before(e.expires) {
+		return Record{}, ErrNoRecord
+	}
+	r := e.record(key)
+	switch {
+	case d == DropResult && !e.completed, d == DropClaim && e.completed:
+		return r, ErrWrongState
+	case d == DropClaim && now.Before(e.leaseUntil):
+		return r, ErrLeaseLive
+	}
+	m.deleteLocked(key, e)
+	return r, nil
 }

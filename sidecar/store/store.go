@@ -81,6 +81,12 @@ type Claim struct {
 	// evict makes room from the tenant that holds the most first, so one
 	// caller filling it evicts its own results, not another's.
 	Tenant string
+	// Tool and Pod describe the call to a person who inspects the store
+	// (kubectl idemcp keys): the tool's name and the pod whose sidecar
+	// claimed it. Neither is part of the key, and neither is secret: a
+	// policy's status lists its tools, and pods are public in their
+	// namespace.
+	Tool, Pod string
 }
 
 // Reservation is the outcome of Reserve.

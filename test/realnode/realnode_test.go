@@ -115,6 +115,7 @@ func TestRealNode(t *testing.T) {
 		{"NativeSidecarStartsFirst", s.nativeSidecar},
 		{"DedupThroughService", s.dedupThroughService},
 		{"PolicyStatus", s.policyStatus},
+		{"AnalyzeServiceAndVersion", s.analyzeServiceAndVersion},
 		{"LivePolicyChange", s.livePolicyChange},
 		{"ManagerPodDeleted", s.managerPodDeleted},
 		{"RedisPodDeleted", s.redisPodDeleted},

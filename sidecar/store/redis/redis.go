@@ -249,7 +249,7 @@ func (s *Store) Reserve(ctx context.Context, c store.Claim) (store.Reservation, 
 	res, err := s.write(ctx, "reserve", c.Key, reserveScript, func(r any) bool {
 		code, _ := field[int64](asSlice(r), 0)
 		return code == codeWon || code == codeTookOver || code == codeUnconfirmed
-	}, c.Fingerprint, c.Owner, millis(c.Lease), millis(max(c.Retention, c.Lease)), takeOver, discard, c.Discard, confirm)
+	}, c.Fingerprint, c.Owner, millis(c.Lease), millis(max(c.Retention, c.Lease)), takeOver, discard, c.Discard, confirm, c.Tool, c.Pod)
 	reply := asSlice(res)
 	code, _ := field[int64](reply, 0)
 	fp, _ := field[string](reply, 1)

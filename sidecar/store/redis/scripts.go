@@ -15,6 +15,8 @@ import "github.com/redis/go-redis/v9"
 //	w  set once someone waits, so that Complete and Release publish a
 //	   wake-up only when it can matter (PUBLISH is broadcast to every node
 //	   of a Redis Cluster)
+//	t  the tool's name, pd the claiming pod, at the claim's time in Unix
+//	   milliseconds: what kubectl idemcp keys lists (see inspect.go)
 //	a  set once MinReplicas replicas acknowledged the stored result (a
 //	   WAIT after the Complete, or after a replay's confirmation, returned
 //	   enough): a failover to one of them keeps it. Without it a replay
@@ -51,7 +53,7 @@ const (
 // reserveScript: ARGV = fingerprint, owner, lease ms, keep ms (max of
 // retention and lease), takeover ("1" or "0"), discard ("1" or "0"), the
 // response to discard, confirm ("1": a completed record without a must be
-// confirmed before it is replayed). Replies {code, fingerprint, response}
+// confirmed before it is replayed), tool, pod. Replies {code, fingerprint, response}
 // or, for codeUnconfirmed, {code, fingerprint, response, nonce}.
 var reserveScript = redis.NewScript(nowMillis + `
 local rec = redis.call('HMGET', KEYS[1], 's', 'fp', 'o', 'l', 'r', 'a', 'n')
@@ -64,7 +66,8 @@ if rec[1] == 'c' and ARGV[6] == '1' and (rec[5] or '') == ARGV[7] then
 end
 if not rec[1] then
   redis.call('HSET', KEYS[1], 's', 'p', 'fp', ARGV[1], 'o', ARGV[2],
-    'l', string.format('%d', now + tonumber(ARGV[3])))
+    'l', string.format('%d', now + tonumber(ARGV[3])),
+    't', ARGV[9] or '', 'pd', ARGV[10] or '', 'at', string.format('%d', now))
   redis.call('PEXPIRE', KEYS[1], ARGV[4])
   return {1}
 end
@@ -96,7 +99,8 @@ if ARGV[5] ~= '1' or fp ~= ARGV[1] then
   return {4, fp}
 end
 redis.call('HSET', KEYS[1], 's', 'p', 'fp', ARGV[1], 'o', ARGV[2],
-  'l', string.format('%d', now + tonumber(ARGV[3])))
+  'l', string.format('%d', now + tonumber(ARGV[3])),
+  't', ARGV[9] or '', 'pd', ARGV[10] or '', 'at', string.format('%d', now))
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
 return {5, fp}
 `)
@@ -196,4 +200,27 @@ redis.call('HSET', KEYS[1], 'w', '1')
 return left
 `)
 
-var allScripts = []*redis.Script{reserveScript, renewScript, completeScript, ackScript, releaseScript, probeScript}
+// dropScript: ARGV = "c" (forget a result) or "p" (release a claim whose
+// lease ran out), wake channel. Replies {code, state, lease ms, tool, pod,
+// claimed ms, pttl ms}: code 1 dropped, 0 no record, -1 another state, -2
+// a claim whose lease is live.
+var dropScript = redis.NewScript(nowMillis + `
+local rec = redis.call('HMGET', KEYS[1], 's', 'l', 't', 'pd', 'at', 'w')
+if not rec[1] then
+  return {0}
+end
+local info = {rec[1], rec[2] or '', rec[3] or '', rec[4] or '', rec[5] or '', redis.call('PTTL', KEYS[1])}
+if rec[1] ~= ARGV[1] then
+  return {-1, unpack(info)}
+end
+if rec[1] == 'p' and (tonumber(rec[2]) or 0) > now_ms() then
+  return {-2, unpack(info)}
+end
+redis.call('DEL', KEYS[1])
+if rec[6] then
+  redis.call('PUBLISH', ARGV[2], KEYS[1])
+end
+return {1, unpack(info)}
+`)
+
+var allScripts = []*redis.Script{reserveScript, renewScript, completeScript, ackScript, releaseScript, probeScript, dropScript}

@@ -7,6 +7,7 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"errors"
+	"fmt"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -54,6 +55,7 @@ func run(t *testing.T, newStore func(t *testing.T) store.Store, discard bool) {
 		{"CompletedRecordExpires", testExpiry},
 		{"ConcurrentReservesOneWinner", testConcurrent},
 		{"KeysAreIndependent", testIndependent},
+		{"InspectorListsAndDrops", testInspector},
 		{"Ping", func(t *testing.T, s store.Store) {
 			if err := s.Ping(context.Background()); err != nil {
 				t.Fatalf("Ping: %v", err)
@@ -475,4 +477,85 @@ func testConcurrentDiscard(t *testing.T, s store.Store) {
 	if n := wins.Load(); n != 1 {
 		t.Fatalf("%d of 20 concurrent reserves discarding one result won, want exactly 1", n)
 	}
+}
+
+// testInspector: a store an operator may inspect (kubectl idemcp keys)
+// lists each record with its tool, pod and state, and drops only what is
+// asked: a claim whose lease ran out (release), a stored result (forget),
+// never a live claim. Stores that are not inspectable skip it.
+func testInspector(t *testing.T, s store.Store) {
+	in, ok := store.InspectorOf(s)
+	if !ok {
+		t.Skip("this store does not list its records")
+	}
+	ctx := context.Background()
+	live, done, lapsed := claim(token()), claim(token()), claim(token())
+	for i, c := range []*store.Claim{&live, &done, &lapsed} {
+		c.Tool, c.Pod = fmt.Sprintf("tool-%d", i), "mcp-0"
+	}
+	lapsed.Lease = Lease
+	for _, c := range []store.Claim{live, done, lapsed} {
+		want(t, reserve(t, s, c), store.Won)
+	}
+	if err := s.Complete(ctx, done.Key, done.Owner, []byte("result"), time.Minute); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(Lease + 200*time.Millisecond)
+
+	recs, err := in.Records(ctx, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	now := time.Now()
+	got := map[string]store.Record{}
+	for _, r := range recs {
+		got[r.Key] = r
+	}
+	for _, tc := range []struct {
+		c     store.Claim
+		state store.RecordState
+	}{{live, store.StatePending}, {done, store.StateCompleted}, {lapsed, store.StateOutcomeUnknown}} {
+		r, ok := got[tc.c.Key]
+		switch {
+		case !ok:
+			t.Fatalf("Records lists %+v, without %s", recs, tc.c.Key)
+		case r.State(now) != tc.state || r.Tool != tc.c.Tool || r.Pod != "mcp-0":
+			t.Errorf("record %s is %s of %q by %q, want %s of %q by mcp-0", tc.c.Key, r.State(now), r.Tool, r.Pod, tc.state, tc.c.Tool)
+		case r.Claimed.IsZero() || now.Sub(r.Claimed) > time.Minute || !r.Expires.After(now):
+			t.Errorf("record %s was claimed at %v and expires at %v, want within the last minute and later than now", tc.c.Key, r.Claimed, r.Expires)
+		}
+	}
+	if r, resp, err := in.Lookup(ctx, done.Key); err != nil || !r.Completed || string(resp) != "result" {
+		t.Errorf("Lookup of the result: %+v %q %v", r, resp, err)
+	}
+
+	for _, tc := range []struct {
+		key  string
+		d    store.Drop
+		want error
+	}{
+		{live.Key, store.DropClaim, store.ErrLeaseLive},
+		{done.Key, store.DropClaim, store.ErrWrongState},
+		{lapsed.Key, store.DropResult, store.ErrWrongState},
+		{token(), store.DropClaim, store.ErrNoRecord},
+	} {
+		if _, err := in.Drop(ctx, tc.key, tc.d); !errors.Is(err, tc.want) {
+			t.Errorf("Drop(%s, %v) = %v, want %v", tc.key, tc.d, err, tc.want)
+		}
+	}
+	// Refused drops leave the records as they were.
+	want(t, reserve(t, s, claim(done.Key)), store.Completed)
+	cautious := lapsed
+	cautious.Owner, cautious.TakeOver = token(), false
+	want(t, reserve(t, s, cautious), store.Abandoned)
+
+	if r, err := in.Drop(ctx, lapsed.Key, store.DropClaim); err != nil || r.Tool != lapsed.Tool {
+		t.Fatalf("releasing the lapsed claim: %+v %v", r, err)
+	}
+	want(t, reserve(t, s, cautious), store.Won)
+	if _, err := in.Drop(ctx, done.Key, store.DropResult); err != nil {
+		t.Fatalf("forgetting the result: %v", err)
+	}
+	again := claim(done.Key)
+	want(t, reserve(t, s, again), store.Won)
 }
