@@ -74,6 +74,8 @@ type LimitOptions struct {
 	MaxWaitersPerPrincipal int
 	MaxStreamsPerPrincipal int
 	MaxStreams             int
+	MaxRunningPerPrincipal int
+	MaxRunning             int
 	// MaxConnections bounds the proxy's client connections (0: the
 	// default of maxConnections).
 	MaxConnections int
@@ -85,6 +87,8 @@ func (o *LimitOptions) Flags(fs *flag.FlagSet) {
 	fs.IntVar(&o.MaxWaitersPerPrincipal, "max-waiters-per-principal", engine.DefaultMaxWaitersPerPrincipal, "most duplicates one principal has waiting at once for calls in flight (callers with no principal count as one); more get error -32017 (negative: no bound)")
 	fs.IntVar(&o.MaxStreamsPerPrincipal, "max-streams-per-principal", httpproxy.DefaultMaxStreamsPerPrincipal, "most requests and streams one principal holds open at once (callers with no principal count as one); more get HTTP 429 (negative: no bound)")
 	fs.IntVar(&o.MaxStreams, "max-streams", httpproxy.DefaultMaxStreams, "most requests and streams the sidecar holds open at once; more get HTTP 503 (negative: no bound)")
+	fs.IntVar(&o.MaxRunningPerPrincipal, "max-running-per-principal", engine.DefaultMaxRunningPerPrincipal, "most deduplicated calls one principal has running upstream at once, those whose client left included (callers with no principal count as one); more get error -32017 and do not run (negative: no bound)")
+	fs.IntVar(&o.MaxRunning, "max-running", engine.DefaultMaxRunning, "most deduplicated calls running upstream at once, for all callers together; more get error -32017 and do not run (negative: no bound)")
 	fs.IntVar(&o.MaxConnections, "max-connections", 0, "most client connections the proxy port holds at once; more are answered 503 and closed (0: 20000, or the open-file limit less 1024 if that is lower; negative: no bound)")
 }
 
@@ -294,7 +298,8 @@ func New(o Options) (*Sidecar, error) {
 		return nil, err
 	}
 	eng := engine.New(engine.Options{Policy: pol, Store: st, Metrics: engine.NewMetrics(reg), Logger: log,
-		MaxWaitersPerKey: o.Limits.MaxWaitersPerKey, MaxWaitersPerPrincipal: o.Limits.MaxWaitersPerPrincipal})
+		MaxWaitersPerKey: o.Limits.MaxWaitersPerKey, MaxWaitersPerPrincipal: o.Limits.MaxWaitersPerPrincipal,
+		MaxRunningPerPrincipal: o.Limits.MaxRunningPerPrincipal, MaxRunning: o.Limits.MaxRunning})
 	// Every connection to the MCP server goes through one dialer, which
 	// remembers the address that answers.
 	dialer := httpproxy.NewUpstreamDialer(up, dialIPs, log)
