@@ -166,7 +166,7 @@ func (o *StoreOptions) Flags(fs *flag.FlagSet) {
 	fs.BoolVar(&o.RedisTLS, "redis-tls", false, "connect to Redis with TLS")
 	fs.StringVar(&o.RedisPasswordFile, "redis-password-file", "", "file holding the Redis password (default: $IDEMCP_REDIS_PASSWORD)")
 	fs.StringVar(&o.RedisKeyPrefix, "redis-key-prefix", "", "prefix of every Redis key; the sidecars of one MCP server share it (default: idemcp:NAMESPACE/POLICY: plus a hash of the upstream)")
-	fs.IntVar(&o.RedisMinReplicas, "redis-min-replicas", 0, "make every claim, renewal and stored result wait until this many Redis replicas have it (WAIT); fewer in time is a store failure, and onStoreUnavailable decides (0: do not wait)")
+	fs.IntVar(&o.RedisMinReplicas, "redis-min-replicas", 0, "make every claim, renewal and stored result wait until this many Redis replicas have it (WAIT); fewer in time is a store failure, and onStoreUnavailable decides (0: do not wait). The policy's store.redis.external.minReplicas applies when it is higher")
 	fs.DurationVar(&o.RedisReplicaTimeout, "redis-min-replicas-timeout", redisstore.DefaultReplicaTimeout, "how long a write waits for --redis-min-replicas")
 	o.extraFlags(fs)
 	o.sealFlags(fs)
@@ -418,10 +418,19 @@ func redisOptions(o StoreOptions, p *policy.Policy) (redisstore.Options, error) 
 		return ro, fmt.Errorf("--redis-min-replicas-timeout %v: want a positive duration such as 500ms or 2s", o.RedisReplicaTimeout)
 	}
 	ro.MinReplicas, ro.ReplicaTimeout = o.RedisMinReplicas, o.RedisReplicaTimeout
-	if r := p.Spec.Store.Redis; r != nil && r.External != nil && len(ro.Addrs) == 0 {
-		ro.Addrs = r.External.Addresses
-		ro.SentinelMaster = r.External.SentinelMaster
-		ro.TLS = r.External.TLS
+	if r := p.Spec.Store.Redis; r != nil && r.External != nil {
+		if len(ro.Addrs) == 0 {
+			ro.Addrs = r.External.Addresses
+			ro.SentinelMaster = r.External.SentinelMaster
+			ro.TLS = r.External.TLS
+		}
+		// The flag may raise the policy's guarantee, never lower it.
+		if n := int(r.External.MinReplicas); n > ro.MinReplicas {
+			ro.MinReplicas = n
+			if t := r.External.MinReplicasTimeout; t != nil && t.Duration > 0 {
+				ro.ReplicaTimeout = t.Duration
+			}
+		}
 	}
 	if o.RedisAddrs != "" {
 		ro.Addrs = nil
