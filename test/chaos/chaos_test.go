@@ -133,9 +133,16 @@ type section struct {
 	sentinel bool
 	// minReplicas is the sidecars' --redis-min-replicas.
 	minReplicas int
+	// toxics: the sidecars reach Redis through a fault proxy, and the
+	// network between them misbehaves instead of Redis restarting and
+	// pausing.
+	toxics bool
 }
 
 func (s section) title() string {
+	if s.toxics {
+		return fmt.Sprintf("onAbandoned: %s, store network faults (toxiproxy)", s.onAbandoned)
+	}
 	if s.sentinel {
 		return fmt.Sprintf("onAbandoned: %s, Sentinel failover, min-replicas %d", s.onAbandoned, s.minReplicas)
 	}
@@ -221,6 +228,7 @@ type world struct {
 	onAbandoned string
 	lease       time.Duration
 	failover    *failoverSet
+	toxics      *storeProxy
 	// unavailable: attempts answered -32013, from start to answer.
 	unavailable [][2]time.Time
 }
@@ -289,6 +297,10 @@ func run(t *testing.T, sec section, duration time.Duration) *report {
 	} else {
 		w.redis = redistest.Start(t, persist...)
 		storeSpec = fmt.Sprintf("{addresses: [%q]}", w.redis.Addr)
+		if sec.toxics {
+			w.toxics = startStoreProxy(t, w.redis.Addr)
+			storeSpec = fmt.Sprintf("{addresses: [%q]}", w.toxics.addr)
+		}
 	}
 	srv := mcpserver.New()
 	srv.MCP.AddReceivingMiddleware(w.countExecutions)
@@ -374,7 +386,12 @@ func run(t *testing.T, sec section, duration time.Duration) *report {
 	}
 	r.unavailableOutside = w.unavailableOutsideOutages()
 
-	// Resources back to baseline once the traffic is over.
+	// Resources back to baseline once the traffic is over. The fault
+	// proxy's goroutines are the sidecars' connections to Redis, held in
+	// this process: it goes first.
+	if w.toxics != nil {
+		w.toxics.proxy.Stop()
+	}
 	upstream.CloseClientConnections()
 	w.transport.CloseIdleConnections()
 	deadline := time.Now().Add(15 * time.Second)
@@ -514,6 +531,11 @@ func (w *world) injectInfraFaults(ctx context.Context) {
 			// A replicated store: failovers instead of restarts and
 			// pauses, which the other sections inject.
 			w.failover.failOver(w, k == 0)
+		case w.toxics != nil && k < 3:
+			// The network to the store misbehaves instead, each kind in
+			// turn.
+			w.injectToxic(w.toxics.injected)
+			w.toxics.injected++
 		case k == 0:
 			w.fault(faultRedisRestart)
 			if !w.persistent {
