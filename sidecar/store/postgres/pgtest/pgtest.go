@@ -371,9 +371,17 @@ logfile = %s
 
 // StartStandby runs a streaming-replication standby of primary, named name
 // (its application_name, as synchronous_standby_names lists it), from a
-// base backup of primary; it is stopped when the test ends. Promote makes
-// it a primary.
+// base backup of primary, on a free loopback port; it is stopped when the
+// test ends. Promote makes it a primary.
 func StartStandby(tb testing.TB, primary *Server, name string) *Server {
+	tb.Helper()
+	return StartStandbyAt(tb, primary, name, "")
+}
+
+// StartStandbyAt is StartStandby on addr (host:port; "": a free port), such
+// as the address of a primary that failed, so that clients listing both
+// addresses reach the pair again.
+func StartStandbyAt(tb testing.TB, primary *Server, name, addr string) *Server {
 	tb.Helper()
 	dir := tempDir(tb, primary.cred)
 	data := filepath.Join(dir, "data")
@@ -398,9 +406,12 @@ func StartStandby(tb testing.TB, primary *Server, name string) *Server {
 	}
 	var lastErr error
 	for range 5 {
-		p := FreePort(tb)
+		a := addr
+		if a == "" {
+			a = net.JoinHostPort("127.0.0.1", strconv.Itoa(FreePort(tb)))
+		}
 		s := &Server{
-			Addr: net.JoinHostPort("127.0.0.1", strconv.Itoa(p)),
+			Addr: a,
 			tb:   tb, bin: primary.bin, cred: primary.cred, data: data, log: filepath.Join(dir, "postgres.log"),
 		}
 		s.URL = "postgres://postgres@" + s.Addr + "/postgres?sslmode=disable"
