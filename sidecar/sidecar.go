@@ -74,6 +74,8 @@ type LimitOptions struct {
 	MaxWaitersPerPrincipal int
 	MaxStreamsPerPrincipal int
 	MaxStreams             int
+	MaxRunningPerPrincipal int
+	MaxRunning             int
 	// MaxConnections bounds the proxy's client connections (0: the
 	// default of maxConnections).
 	MaxConnections int
@@ -85,6 +87,8 @@ func (o *LimitOptions) Flags(fs *flag.FlagSet) {
 	fs.IntVar(&o.MaxWaitersPerPrincipal, "max-waiters-per-principal", engine.DefaultMaxWaitersPerPrincipal, "most duplicates one principal has waiting at once for calls in flight (callers with no principal count as one); more get error -32017 (negative: no bound)")
 	fs.IntVar(&o.MaxStreamsPerPrincipal, "max-streams-per-principal", httpproxy.DefaultMaxStreamsPerPrincipal, "most requests and streams one principal holds open at once (callers with no principal count as one); more get HTTP 429 (negative: no bound)")
 	fs.IntVar(&o.MaxStreams, "max-streams", httpproxy.DefaultMaxStreams, "most requests and streams the sidecar holds open at once; more get HTTP 503 (negative: no bound)")
+	fs.IntVar(&o.MaxRunningPerPrincipal, "max-running-per-principal", engine.DefaultMaxRunningPerPrincipal, "most deduplicated calls one principal has running upstream at once, those whose client left included (callers with no principal count as one); more get error -32017 and do not run (negative: no bound)")
+	fs.IntVar(&o.MaxRunning, "max-running", engine.DefaultMaxRunning, "most deduplicated calls running upstream at once, for all callers together; more get error -32017 and do not run (negative: no bound)")
 	fs.IntVar(&o.MaxConnections, "max-connections", 0, "most client connections the proxy port holds at once; more are answered 503 and closed (0: 20000, or the open-file limit less 1024 if that is lower; negative: no bound)")
 }
 
@@ -162,7 +166,7 @@ func (o *StoreOptions) Flags(fs *flag.FlagSet) {
 	fs.BoolVar(&o.RedisTLS, "redis-tls", false, "connect to Redis with TLS")
 	fs.StringVar(&o.RedisPasswordFile, "redis-password-file", "", "file holding the Redis password (default: $IDEMCP_REDIS_PASSWORD)")
 	fs.StringVar(&o.RedisKeyPrefix, "redis-key-prefix", "", "prefix of every Redis key; the sidecars of one MCP server share it (default: idemcp:NAMESPACE/POLICY: plus a hash of the upstream)")
-	fs.IntVar(&o.RedisMinReplicas, "redis-min-replicas", 0, "make every claim, renewal and stored result wait until this many Redis replicas have it (WAIT); fewer in time is a store failure, and onStoreUnavailable decides (0: do not wait)")
+	fs.IntVar(&o.RedisMinReplicas, "redis-min-replicas", 0, "make every claim, renewal and stored result wait until this many Redis replicas have it (WAIT); fewer in time is a store failure, and onStoreUnavailable decides (0: do not wait). The policy's store.redis.external.minReplicas applies when it is higher")
 	fs.DurationVar(&o.RedisReplicaTimeout, "redis-min-replicas-timeout", redisstore.DefaultReplicaTimeout, "how long a write waits for --redis-min-replicas")
 	o.extraFlags(fs)
 	o.sealFlags(fs)
@@ -295,6 +299,7 @@ func New(o Options) (*Sidecar, error) {
 	}
 	eng := engine.New(engine.Options{Policy: pol, Store: st, Metrics: engine.NewMetrics(reg), Logger: log,
 		MaxWaitersPerKey: o.Limits.MaxWaitersPerKey, MaxWaitersPerPrincipal: o.Limits.MaxWaitersPerPrincipal,
+		MaxRunningPerPrincipal: o.Limits.MaxRunningPerPrincipal, MaxRunning: o.Limits.MaxRunning,
 		Pod: os.Getenv("POD_NAME")})
 	// Every connection to the MCP server goes through one dialer, which
 	// remembers the address that answers.
@@ -414,10 +419,19 @@ func redisOptions(o StoreOptions, p *policy.Policy) (redisstore.Options, error) 
 		return ro, fmt.Errorf("--redis-min-replicas-timeout %v: want a positive duration such as 500ms or 2s", o.RedisReplicaTimeout)
 	}
 	ro.MinReplicas, ro.ReplicaTimeout = o.RedisMinReplicas, o.RedisReplicaTimeout
-	if r := p.Spec.Store.Redis; r != nil && r.External != nil && len(ro.Addrs) == 0 {
-		ro.Addrs = r.External.Addresses
-		ro.SentinelMaster = r.External.SentinelMaster
-		ro.TLS = r.External.TLS
+	if r := p.Spec.Store.Redis; r != nil && r.External != nil {
+		if len(ro.Addrs) == 0 {
+			ro.Addrs = r.External.Addresses
+			ro.SentinelMaster = r.External.SentinelMaster
+			ro.TLS = r.External.TLS
+		}
+		// The flag may raise the policy's guarantee, never lower it.
+		if n := int(r.External.MinReplicas); n > ro.MinReplicas {
+			ro.MinReplicas = n
+			if t := r.External.MinReplicasTimeout; t != nil && t.Duration > 0 {
+				ro.ReplicaTimeout = t.Duration
+			}
+		}
 	}
 	if o.RedisAddrs != "" {
 		ro.Addrs = nil

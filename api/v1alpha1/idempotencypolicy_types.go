@@ -252,6 +252,7 @@ type ManagedRedis struct {
 }
 
 // ExternalRedis is a Redis the user runs: standalone, Sentinel or Cluster.
+// +kubebuilder:validation:XValidation:rule="!has(self.minReplicasTimeout) || (has(self.minReplicas) && self.minReplicas > 0)",message="minReplicasTimeout bounds the wait for minReplicas: set minReplicas above 0, or remove minReplicasTimeout"
 type ExternalRedis struct {
 	// Addresses are host:port pairs: one for standalone, several for Cluster
 	// or for the Sentinels.
@@ -272,6 +273,25 @@ type ExternalRedis struct {
 	// SentinelMaster is the master name when Addresses are Sentinels.
 	// +optional
 	SentinelMaster string `json:"sentinelMaster,omitempty"`
+
+	// MinReplicas makes every claim, lease renewal and stored result wait
+	// until this many replicas of the primary have it (Redis WAIT), and a
+	// retry is replayed only a result that many replicas have. Set to the
+	// number of replicas a failover may promote, a failover then loses no
+	// claim a call runs under and no result a retry was given. While fewer
+	// replicas answer within minReplicasTimeout, new claims fail and
+	// onStoreUnavailable decides. The sidecar's --redis-min-replicas may
+	// raise it, never lower it. A change applies when the sidecars'
+	// pods restart. 0 (the default): writes do not wait for replicas.
+	// +kubebuilder:validation:Minimum=0
+	// +kubebuilder:validation:Maximum=16
+	// +optional
+	MinReplicas int32 `json:"minReplicas,omitempty"`
+
+	// MinReplicasTimeout bounds each wait for minReplicas (default 1s).
+	// +kubebuilder:validation:XValidation:rule="duration(self) >= duration('10ms') && duration(self) <= duration('30s')",message="minReplicasTimeout must be between 10ms and 30s"
+	// +optional
+	MinReplicasTimeout *metav1.Duration `json:"minReplicasTimeout,omitempty"`
 }
 
 // SecretKeyRef names one key of a Secret in the policy's namespace.

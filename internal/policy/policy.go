@@ -559,6 +559,16 @@ func validate(s *v1alpha1.IdempotencyPolicySpec) error {
 					bad(fmt.Sprintf("store.redis.external.addresses[%d]", i), "%q is not host:port, such as redis.shop.svc:6379", a)
 				}
 			}
+			if n := r.External.MinReplicas; n < 0 || n > 16 {
+				bad("store.redis.external.minReplicas", "%d is outside 0..16", n)
+			}
+			if t := r.External.MinReplicasTimeout; t != nil {
+				if r.External.MinReplicas <= 0 {
+					bad("store.redis.external.minReplicasTimeout", "bounds the wait for minReplicas: set minReplicas above 0, or remove minReplicasTimeout")
+				} else if t.Duration < 10*time.Millisecond || t.Duration > 30*time.Second {
+					bad("store.redis.external.minReplicasTimeout", "%s is outside 10ms..30s", t.Duration)
+				}
+			}
 		}
 	}
 	oneOf("onStoreUnavailable", string(s.OnStoreUnavailable), "FailClosed", "FailOpen")

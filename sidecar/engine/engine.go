@@ -17,6 +17,7 @@ import (
 	"strconv"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/idemcp/idemcp/api/v1alpha1"
 	"github.com/idemcp/idemcp/internal/claim"
@@ -55,6 +56,7 @@ type Engine struct {
 	unscopedOnce sync.Once
 
 	waiters *waiters
+	running *running
 }
 
 // Options configure an Engine.
@@ -73,12 +75,20 @@ type Options struct {
 	// Pod names this sidecar's pod in the claims it makes, for kubectl
 	// idemcp keys ("" outside a pod).
 	Pod string
+	// MaxRunningPerPrincipal and MaxRunning bound the calls running
+	// upstream, those whose client left included: for one principal, and
+	// for all callers. Over either bound a call that won its claim
+	// releases it unrun and is answered mcpmsg.CodeOverloaded. 0 means
+	// the defaults; a negative value, no bound.
+	MaxRunningPerPrincipal int
+	MaxRunning             int
 }
 
 // New returns an engine.
 func New(o Options) *Engine {
 	e := &Engine{store: o.Store, hints: NewToolHints(), metrics: o.Metrics, log: o.Logger, pod: o.Pod,
-		waiters: newWaiters(o.MaxWaitersPerKey, o.MaxWaitersPerPrincipal)}
+		waiters: newWaiters(o.MaxWaitersPerKey, o.MaxWaitersPerPrincipal),
+		running: newRunning(o.MaxRunningPerPrincipal, o.MaxRunning)}
 	if e.metrics == nil {
 		e.metrics = NewMetrics(nil)
 	}
@@ -351,11 +361,23 @@ func (e *Engine) Execute(ctx context.Context, p *Plan, fwd Forward) (Outcome, er
 	}
 	switch r.State {
 	case store.Won:
+		stopRunning, err := e.startRunning(p)
+		if err != nil {
+			// Nothing ran: the claim goes, so that a retry once the
+			// caller is under its bound runs the call (and, under
+			// onAbandoned: Error, is not answered "outcome unknown").
+			rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second)
+			defer cancel()
+			if rerr := e.store.Release(rctx, p.Key, owner); rerr != nil {
+				e.metrics.StoreErrors.WithLabelValues("release").Inc()
+			}
+			return Outcome{}, err
+		}
 		if r.TookOver {
 			e.metrics.TakeOvers.Inc()
 			e.log.Warn("Took over an abandoned claim", "tool", p.Tool, "key", p.Key)
 		}
-		return e.run(ctx, p, owner, fwd)
+		return e.run(ctx, p, owner, fwd, stopRunning)
 	case store.Completed:
 		session, resp := taskSession(r.Response)
 		if session != "" && session != sessionHash(p.caller) {
@@ -383,9 +405,14 @@ func (e *Engine) stillRunning(p *Plan, err error) error {
 func (e *Engine) storeUnavailable(ctx context.Context, p *Plan, fwd Forward, err error) (Outcome, error) {
 	if p.Policy.OnStoreUnavailable == v1alpha1.FailOpen {
 		e.log.Warn("Store unavailable, forwarding without deduplication (FailOpen)", "tool", p.Tool, "err", err)
+		stopRunning, err := e.startRunning(p)
+		if err != nil {
+			return Outcome{}, err
+		}
 		e.metrics.Calls.WithLabelValues(OutcomeFailedOpen).Inc()
 		up, ferr := fwd(ctx)
 		if ferr != nil {
+			stopRunning()
 			return Outcome{}, ferr
 		}
 		if up.Later != nil {
@@ -393,8 +420,11 @@ func (e *Engine) storeUnavailable(ctx context.Context, p *Plan, fwd Forward, err
 			done := e.claims.Track()
 			go func() {
 				defer done()
+				defer stopRunning()
 				_, _ = up.Later(context.WithoutCancel(ctx))
 			}()
+		} else {
+			stopRunning()
 		}
 		return Outcome{Kind: ForwardedOpen}, nil
 	}
@@ -406,9 +436,13 @@ func (e *Engine) storeUnavailable(ctx context.Context, p *Plan, fwd Forward, err
 
 // run executes the call this owner won, detached from ctx: a client that
 // disconnects or cancels does not stop it, and its result is stored.
-func (e *Engine) run(ctx context.Context, p *Plan, owner string, fwd Forward) (Outcome, error) {
+// stopRunning is called once the call is settled.
+func (e *Engine) run(ctx context.Context, p *Plan, owner string, fwd Forward, stopRunning func()) (Outcome, error) {
 	held := claim.Held{Key: p.Key, Owner: owner, Lease: p.Policy.LeaseDuration, Tool: p.Tool}
+	var began atomic.Bool
 	err := e.claims.Run(ctx, held, func(runCtx context.Context, answer func(error)) {
+		began.Store(true)
+		defer stopRunning()
 		up, err := fwd(runCtx)
 		if err == nil && up.Later != nil {
 			// The client's part is over (it resumes on its own); the
@@ -428,6 +462,9 @@ func (e *Engine) run(ctx context.Context, p *Plan, owner string, fwd Forward) (O
 		// first attempt to store is made.
 		e.settle(runCtx, p, owner, up, err, firstTried)
 	})
+	if !began.Load() && !errors.Is(err, claim.ErrDetached) {
+		stopRunning() // Run refused the claim: body never ran
+	}
 	switch {
 	case errors.Is(err, claim.ErrDetached):
 		e.metrics.Calls.WithLabelValues(OutcomeExecuted).Inc()

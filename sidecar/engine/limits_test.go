@@ -189,3 +189,74 @@ func pad(n int) string {
 	}
 	return string(b)
 }
+
+// Calls running upstream are bounded per principal and in all, those
+// whose client hung up included: a caller that starts calls and leaves
+// at once cannot make the sidecar hold more of them than its bound. Over
+// a bound the call is answered -32017 and nothing runs; its claim is
+// released, so the same call runs once the caller is under its bound,
+// and another principal is served meanwhile.
+func TestRunningCallsAreBounded(t *testing.T) {
+	e := New(Options{
+		Policy:                 mustPolicy(t, "spec: {defaultMode: Deduplicate, keyScope: Principal, onAbandoned: Error}"),
+		Store:                  store.NewMemory(0),
+		MaxRunningPerPrincipal: 3,
+		MaxRunning:             4,
+	})
+	up := &blockingUpstream{release: make(chan struct{})}
+	mallory := Caller{Principal: "Bearer mallory"}
+	alice := Caller{Principal: "Bearer alice"}
+	bob := Caller{Principal: "Bearer bob"}
+
+	// Mallory starts three calls and hangs up on each: they go on.
+	for i := range 3 {
+		ctx, cancel := context.WithCancel(context.Background())
+		p := planFor(t, e, fmt.Sprintf(`{"n":%d}`, i), mallory)
+		go func() { _, _ = e.Execute(ctx, p, up.forward) }()
+		waitFor(t, "mallory's call to run", func() bool { return up.ran.Load() == int32(i+1) })
+		cancel()
+	}
+	var ee *Error
+	_, err := e.Execute(context.Background(), planFor(t, e, `{"n":3}`, mallory), up.forward)
+	if !errors.As(err, &ee) || ee.Code != mcpmsg.CodeOverloaded || up.ran.Load() != 3 {
+		t.Fatalf("mallory's fourth call: %v (ran %d); want -32017 and nothing run", err, up.ran.Load())
+	}
+	// Alice is not starved: she runs the sidecar's fourth call.
+	aliceDone := make(chan error, 1)
+	go func() {
+		_, err := e.Execute(context.Background(), planFor(t, e, `{"n":0}`, alice), up.forward)
+		aliceDone <- err
+	}()
+	waitFor(t, "alice's call to run", func() bool { return up.ran.Load() == 4 })
+	// Bob is over the sidecar's total.
+	_, err = e.Execute(context.Background(), planFor(t, e, `{"n":0}`, bob), up.forward)
+	if !errors.As(err, &ee) || ee.Code != mcpmsg.CodeOverloaded || up.ran.Load() != 4 {
+		t.Fatalf("bob's call over the total: %v (ran %d); want -32017 and nothing run", err, up.ran.Load())
+	}
+	if n := e.Running(); n != 4 {
+		t.Errorf("%d calls running, want 4", n)
+	}
+	close(up.release)
+	if err := <-aliceDone; err != nil {
+		t.Fatalf("alice's call: %v", err)
+	}
+	waitFor(t, "the calls to end", func() bool { return e.Running() == 0 })
+	// Mallory's refused call was released, not left "outcome unknown":
+	// it runs now.
+	out, err := e.Execute(context.Background(), planFor(t, e, `{"n":3}`, mallory), up.forward)
+	if err != nil || out.Kind != Executed {
+		t.Fatalf("mallory's refused call, retried under her bound: %v, %v; want it run", out.Kind, err)
+	}
+	if n := up.ran.Load(); n != 5 {
+		t.Errorf("the tool ran %d times, want 5", n)
+	}
+	if n := counter(e.Metrics().OverLimit.WithLabelValues(LimitRunningPerPrincipal)); n != 1 {
+		t.Errorf(`idemcp_over_limit_total{limit="running_per_principal"} = %v, want 1`, n)
+	}
+	if n := counter(e.Metrics().OverLimit.WithLabelValues(LimitRunningTotal)); n != 1 {
+		t.Errorf(`idemcp_over_limit_total{limit="running_total"} = %v, want 1`, n)
+	}
+	if n := gauge(e.Metrics().Running); n != 0 {
+		t.Errorf("idemcp_calls_running = %v after every call ended, want 0", n)
+	}
+}

@@ -11,6 +11,7 @@ type Metrics struct {
 	TakeOvers   prometheus.Counter
 	Panics      *prometheus.CounterVec
 	OverLimit   *prometheus.CounterVec
+	Running     prometheus.Gauge
 }
 
 // Outcome labels of idemcp_tool_calls_total.
@@ -54,11 +55,15 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		}, []string{"where"}),
 		OverLimit: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "idemcp_over_limit_total",
-			Help: "Requests refused because a caller, or all callers together, was over a bound: waiters_per_key, waiters_per_principal, streams_per_principal, streams_total.",
+			Help: "Requests refused, or work skipped, because a caller, or all callers together, was over a bound: waiters_per_key, waiters_per_principal, streams_per_principal, streams_total, running_per_principal, running_total, tools_list_buffers.",
 		}, []string{"limit"}),
+		Running: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "idemcp_calls_running",
+			Help: "Deduplicated calls running upstream, those whose client left included, and calls forwarded under FailOpen.",
+		}),
 	}
 	if reg != nil {
-		reg.MustRegister(m.Calls, m.Classified, m.NotStored, m.StoreErrors, m.TakeOvers, m.Panics, m.OverLimit)
+		reg.MustRegister(m.Calls, m.Classified, m.NotStored, m.StoreErrors, m.TakeOvers, m.Panics, m.OverLimit, m.Running)
 	}
 	return m
 }

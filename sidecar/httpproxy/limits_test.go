@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"context"
 	"encoding/json"
+	"io"
 	"net/http"
 	"strings"
 	"sync"
@@ -128,4 +129,85 @@ func counterValue(c prometheus.Counter) float64 {
 		panic(err)
 	}
 	return m.GetCounter().GetValue()
+}
+
+// Copies of tools/list responses, kept to learn the tools' annotations
+// from, are bounded per principal and in all: a client that sends many
+// tools/list requests at once and reads their answers slowly makes the
+// sidecar copy at most maxTapBytesPerPrincipal of them. Every response is
+// still forwarded whole, another principal's listing still teaches Auto,
+// and the copies are given back when the responses end.
+func TestToolsListCopiesAreBounded(t *testing.T) {
+	const half = 512 << 10
+	head := `{"jsonrpc":"2.0","id":1,"result":{"tools":[{"name":"pad","description":"` + strings.Repeat("x", half)
+	tail := func(tool string) string {
+		return strings.Repeat("y", half) + `"},{"name":"` + tool + `","annotations":{"readOnlyHint":true}}]}}`
+	}
+	stop := make(chan struct{})
+	var once sync.Once
+	release := func() { once.Do(func() { close(stop) }) }
+	t.Cleanup(release)
+	upstream := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		_, _ = io.WriteString(w, head)
+		w.(http.Flusher).Flush()
+		select {
+		case <-stop:
+		case <-r.Context().Done():
+			return
+		}
+		_, _ = io.WriteString(w, tail(strings.TrimPrefix(r.Header.Get("Authorization"), "Bearer ")+"_read"))
+	})
+	srv, e := dedupProxy(t, upstream, "", Options{})
+	p := srv.Config.Handler.(*Proxy)
+
+	list := func(principal string) (*http.Response, error) {
+		req, _ := http.NewRequest(http.MethodPost, srv.URL+"/mcp", strings.NewReader(`{"jsonrpc":"2.0","id":1,"method":"tools/list"}`))
+		req.Header.Set("Content-Type", "application/json")
+		req.Header.Set("Accept", "application/json, text/event-stream")
+		req.Header.Set("Authorization", "Bearer "+principal)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			return nil, err
+		}
+		if _, err := io.ReadFull(resp.Body, make([]byte, len(head))); err != nil {
+			return nil, err
+		}
+		return resp, nil
+	}
+	const n = 40
+	var held []*http.Response
+	for range n {
+		resp, err := list("mallory")
+		if err != nil {
+			t.Fatalf("mallory's tools/list: %v", err)
+		}
+		held = append(held, resp)
+	}
+	if got := p.tapHeld(); got > maxTapBytesPerPrincipal {
+		t.Errorf("the sidecar holds %d bytes of mallory's %d listings, want at most %d", got, n, maxTapBytesPerPrincipal)
+	}
+	alice, err := list("alice")
+	if err != nil {
+		t.Fatalf("alice's tools/list: %v", err)
+	}
+	held = append(held, alice)
+	release()
+	for i, resp := range held {
+		rest, err := io.ReadAll(resp.Body)
+		_ = resp.Body.Close()
+		if err != nil || !strings.HasSuffix(string(rest), `_read","annotations":{"readOnlyHint":true}}]}}`) || len(rest) < half {
+			t.Fatalf("listing %d was not forwarded whole: %d bytes, %v", i, len(rest), err)
+		}
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for !e.Hints().Known("alice_read") || p.tapHeld() != 0 {
+		if time.Now().After(deadline) {
+			t.Fatalf("alice's listing taught Auto nothing (known: %v), or the taps still hold %d bytes", e.Hints().Known("alice_read"), p.tapHeld())
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if c := counterValue(e.Metrics().OverLimit.WithLabelValues(engine.LimitToolsListBuffers)); c < n-maxTapBytesPerPrincipal/half {
+		t.Errorf(`idemcp_over_limit_total{limit="tools_list_buffers"} = %v, want at least %d`, c, n-maxTapBytesPerPrincipal/half)
+	}
 }

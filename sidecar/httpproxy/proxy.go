@@ -109,6 +109,7 @@ type Proxy struct {
 	legacy  legacyHub // legacy HTTP+SSE sessions (legacy.go)
 	resumes resumeHub // calls whose response comes on a resumed stream (resume.go)
 	streams *streams  // requests held open, bounded (limits.go)
+	taps    tapBudget // what tools/list taps hold, bounded (tap.go)
 	// sharedCalls counts legacy tools/call requests not deduplicated
 	// because two live sessions share their endpoint.
 	sharedCalls prometheus.Counter

@@ -208,6 +208,9 @@ type SealOptions struct {
 	// ExpiryGrace is how long past its expiry a record still opens
 	// (default SealExpiryGrace).
 	ExpiryGrace time.Duration
+	// Now is the sidecar's clock, which sealed expiries are written and
+	// checked by (default time.Now).
+	Now func() time.Time
 }
 
 // sealAttempts bounds how often Reserve replaces results that fail to open
@@ -227,6 +230,7 @@ type Sealed struct {
 	ctx    string
 	onFail func(key, reason string)
 	grace  time.Duration
+	now    func() time.Time
 }
 
 var _ Store = (*Sealed)(nil)
@@ -241,7 +245,11 @@ func Seal(inner Store, o SealOptions) *Sealed {
 	if grace <= 0 {
 		grace = SealExpiryGrace
 	}
-	return &Sealed{Store: inner, ring: o.Keyring, ctx: o.Context, onFail: onFail, grace: grace}
+	now := o.Now
+	if now == nil {
+		now = time.Now
+	}
+	return &Sealed{Store: inner, ring: o.Keyring, ctx: o.Context, onFail: onFail, grace: grace, now: now}
 }
 
 // Reserve implements Store: a completed record is opened, and one that
@@ -252,7 +260,7 @@ func (s *Sealed) Reserve(ctx context.Context, c Claim) (Reservation, error) {
 		if err != nil || r.State != Completed {
 			return r, err
 		}
-		plain, reason, ok := s.ring.Open(s.ctx, c.Key, r.Response, time.Now().Add(-s.grace))
+		plain, reason, ok := s.ring.Open(s.ctx, c.Key, r.Response, s.now().Add(-s.grace))
 		if ok {
 			r.Response = plain
 			return r, nil
@@ -269,7 +277,7 @@ func (s *Sealed) Reserve(ctx context.Context, c Claim) (Reservation, error) {
 
 // Complete implements Store.
 func (s *Sealed) Complete(ctx context.Context, key, owner string, response []byte, ttl time.Duration) error {
-	return s.Store.Complete(ctx, key, owner, s.ring.Seal(s.ctx, key, time.Now().Add(ttl), response), ttl)
+	return s.Store.Complete(ctx, key, owner, s.ring.Seal(s.ctx, key, s.now().Add(ttl), response), ttl)
 }
 
 // Unwrap returns the store underneath.

@@ -133,9 +133,22 @@ type section struct {
 	sentinel bool
 	// minReplicas is the sidecars' --redis-min-replicas.
 	minReplicas int
+	// toxics: the sidecars reach Redis through a fault proxy, and the
+	// network between them misbehaves instead of Redis restarting and
+	// pausing.
+	toxics bool
+	// postgres: a PostgreSQL primary and its synchronous standby instead
+	// of Redis; failovers instead of restarts and pauses.
+	postgres bool
 }
 
 func (s section) title() string {
+	if s.toxics {
+		return fmt.Sprintf("onAbandoned: %s, store network faults (toxiproxy)", s.onAbandoned)
+	}
+	if s.postgres {
+		return fmt.Sprintf("onAbandoned: %s, PostgreSQL failover to a synchronous standby", s.onAbandoned)
+	}
 	if s.sentinel {
 		return fmt.Sprintf("onAbandoned: %s, Sentinel failover, min-replicas %d", s.onAbandoned, s.minReplicas)
 	}
@@ -221,6 +234,8 @@ type world struct {
 	onAbandoned string
 	lease       time.Duration
 	failover    *failoverSet
+	toxics      *storeProxy
+	pg          *pgPair
 	// unavailable: attempts answered -32013, from start to answer.
 	unavailable [][2]time.Time
 }
@@ -276,7 +291,12 @@ func run(t *testing.T, sec section, duration time.Duration) *report {
 	persist := []string{"--appendonly", "yes", "--appendfsync", "always"}
 	storeSpec := ""
 	sidecarArgs := []string{"--redis-key-prefix", "idemcp:chaos/" + onAbandoned + ":"}
-	if sec.sentinel {
+	switch {
+	case sec.postgres:
+		w.pg = startPGPair(t)
+		sidecarArgs = []string{"--store", "postgres", "--postgres-url", w.pg.url,
+			"--postgres-key-prefix", "idemcp:chaos/" + onAbandoned + ":", "--log-level", "warn"}
+	case sec.sentinel:
 		// A killed primary rejoins as a replica and resyncs from the new
 		// one, so what it persisted does not matter; fsync on every write
 		// only stalls it, and a primary stalled for down-after is failed
@@ -286,9 +306,13 @@ func run(t *testing.T, sec section, duration time.Duration) *report {
 		// Warnings too (store writes retried, renewals failing), printed
 		// only when the run fails.
 		sidecarArgs = append(sidecarArgs, "--redis-min-replicas", strconv.Itoa(sec.minReplicas), "--log-level", "warn")
-	} else {
+	default:
 		w.redis = redistest.Start(t, persist...)
 		storeSpec = fmt.Sprintf("{addresses: [%q]}", w.redis.Addr)
+		if sec.toxics {
+			w.toxics = startStoreProxy(t, w.redis.Addr)
+			storeSpec = fmt.Sprintf("{addresses: [%q]}", w.toxics.addr)
+		}
 	}
 	srv := mcpserver.New()
 	srv.MCP.AddReceivingMiddleware(w.countExecutions)
@@ -296,8 +320,12 @@ func run(t *testing.T, sec section, duration time.Duration) *report {
 	defer upstream.Close()
 
 	policy := filepath.Join(t.TempDir(), "policy.yaml")
-	body := fmt.Sprintf("spec: {leaseDuration: %v, waitTimeout: 3s, onAbandoned: %s, keyScope: Principal, store: {type: Redis, redis: {external: %s}}}\n",
-		sec.lease, onAbandoned, storeSpec)
+	store := fmt.Sprintf("{type: Redis, redis: {external: %s}}", storeSpec)
+	if sec.postgres {
+		store = "{type: Memory}" // --store postgres overrides it
+	}
+	body := fmt.Sprintf("spec: {leaseDuration: %v, waitTimeout: 3s, onAbandoned: %s, keyScope: Principal, store: %s}\n",
+		sec.lease, onAbandoned, store)
 	if err := os.WriteFile(policy, []byte(body), 0o600); err != nil {
 		t.Fatal(err)
 	}
@@ -372,9 +400,17 @@ func run(t *testing.T, sec section, duration time.Duration) *report {
 	if w.failover != nil {
 		r.longestFailover = w.failover.longest
 	}
+	if w.pg != nil {
+		r.longestFailover = w.pg.longest
+	}
 	r.unavailableOutside = w.unavailableOutsideOutages()
 
-	// Resources back to baseline once the traffic is over.
+	// Resources back to baseline once the traffic is over. The fault
+	// proxy's goroutines are the sidecars' connections to Redis, held in
+	// this process: it goes first.
+	if w.toxics != nil {
+		w.toxics.proxy.Stop()
+	}
 	upstream.CloseClientConnections()
 	w.transport.CloseIdleConnections()
 	deadline := time.Now().Add(15 * time.Second)
@@ -514,6 +550,13 @@ func (w *world) injectInfraFaults(ctx context.Context) {
 			// A replicated store: failovers instead of restarts and
 			// pauses, which the other sections inject.
 			w.failover.failOver(w, k == 0)
+		case w.pg != nil && k < 2:
+			w.pg.failOver(w, k == 1)
+		case w.toxics != nil && k < 3:
+			// The network to the store misbehaves instead, each kind in
+			// turn.
+			w.injectToxic(w.toxics.injected)
+			w.toxics.injected++
 		case k == 0:
 			w.fault(faultRedisRestart)
 			if !w.persistent {
@@ -599,7 +642,7 @@ func (w *world) history() *history.History {
 		// After a failover the engine retries a result (50ms doubling to
 		// 8s) while the new primary cannot yet acknowledge it: a sidecar
 		// killed that long after answering may have lost it.
-		StoreRetrySlack: cond(w.failover != nil, 16*time.Second, 0),
+		StoreRetrySlack: cond(w.failover != nil || w.pg != nil, 16*time.Second, 0),
 		Executions:      w.execs, Completions: w.completions, Losses: w.restarts,
 		Logf: w.t.Logf,
 	}

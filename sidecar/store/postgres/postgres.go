@@ -91,6 +91,7 @@ type Store struct {
 	poll         time.Duration
 	batch        int
 	waiters      *wakeHub
+	warned       *warnings
 
 	migrateMu sync.Mutex
 	migrated  bool
@@ -114,6 +115,8 @@ func New(opts Options) (*Store, error) {
 		return nil, errors.New("postgres store: the URL is not a valid PostgreSQL connection string or URL (postgres://user@host:5432/db)")
 	}
 	configure(cfg.ConnConfig, opts)
+	warned := &warnings{}
+	warned.attach(cfg)
 	cfg.MaxConns = opts.MaxConns
 	if cfg.MaxConns <= 0 {
 		cfg.MaxConns = DefaultMaxConns
@@ -135,6 +138,7 @@ func New(opts Options) (*Store, error) {
 	}
 	s := &Store{
 		pool:         pool,
+		warned:       warned,
 		prefix:       opts.Prefix,
 		queryTimeout: orDefault(opts.QueryTimeout, DefaultQueryTimeout),
 		poll:         orDefault(opts.PollInterval, DefaultPollInterval),
@@ -288,10 +292,11 @@ WITH ins AS (
     OR (r.completed AND coalesce(coalesce(r.response, ''::bytea) = $7::bytea, false))
   RETURNING r.took_over
 )
-SELECT 1, '', NULL::bytea, took_over FROM ins
+SELECT 1, '', NULL::bytea, took_over, '', true FROM ins
 UNION ALL
 SELECT CASE WHEN r.completed THEN 2 WHEN r.lease_until > now() THEN 3 ELSE 4 END,
-       r.fingerprint, CASE WHEN r.completed THEN r.response END, false
+       r.fingerprint, CASE WHEN r.completed THEN r.response END, false,
+       r.owner, coalesce(r.acked_owner = r.owner, false) OR ` + noStandbyWaitSQL + `
 FROM idemcp_records r
 WHERE r.key = $1::text AND r.expires_at > now() AND NOT EXISTS (SELECT 1 FROM ins)`
 
@@ -310,9 +315,10 @@ func (s *Store) Reserve(ctx context.Context, c store.Claim) (store.Reservation, 
 			var code int
 			var fp string
 			var resp []byte
-			var tookOver bool
+			var tookOver, vouched bool
+			var owner string
 			err := s.pool.QueryRow(ctx, reserveSQL, full, c.Fingerprint, c.Owner,
-				millis(c.Lease), millis(max(c.Retention, c.Lease)), c.TakeOver, c.Discard).Scan(&code, &fp, &resp, &tookOver)
+				millis(c.Lease), millis(max(c.Retention, c.Lease)), c.TakeOver, c.Discard).Scan(&code, &fp, &resp, &tookOver, &owner, &vouched)
 			if errors.Is(err, pgx.ErrNoRows) {
 				return errRace
 			}
@@ -327,6 +333,9 @@ func (s *Store) Reserve(ctx context.Context, c store.Claim) (store.Reservation, 
 					resp = []byte{}
 				}
 				res = store.Reservation{State: store.Completed, Fingerprint: fp, Response: resp}
+				if !vouched {
+					return s.confirm(ctx, full, owner, &res)
+				}
 			case codePending:
 				res = store.Reservation{State: store.Pending, Fingerprint: fp}
 			case codeAbandoned:
@@ -382,12 +391,6 @@ n AS (SELECT pg_notify('` + Channel + `', $1::text) FROM m WHERE m.waited)
 SELECT (SELECT count(*) FROM m), (SELECT count(*) FROM n)`
 }
 
-var completeSQL = settledSQL(`
-  UPDATE idemcp_records SET completed = true, response = $3::bytea, lease_until = NULL,
-    expires_at = now() + $4::bigint * interval '1 millisecond'
-  WHERE key = $1::text AND owner = $2::text AND NOT completed AND expires_at > now()
-  RETURNING waited`)
-
 var releaseSQL = settledSQL(`
   DELETE FROM idemcp_records
   WHERE key = $1::text AND owner = $2::text AND NOT completed AND expires_at > now()
@@ -406,12 +409,12 @@ func (s *Store) settle(ctx context.Context, op, key, sql string, args ...any) er
 	})
 }
 
-// Complete implements store.Store.
+// Complete implements store.Store (see complete in confirm.go).
 func (s *Store) Complete(ctx context.Context, key, owner string, response []byte, ttl time.Duration) error {
 	if response == nil {
 		response = []byte{}
 	}
-	return s.settle(ctx, "complete", key, completeSQL, s.prefix+key, owner, response, millis(ttl))
+	return s.complete(ctx, key, owner, response, ttl)
 }
 
 // Release implements store.Store.

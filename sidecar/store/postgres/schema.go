@@ -20,6 +20,10 @@ import (
 //	waited       set once someone waits, so that Complete and Release only
 //	             NOTIFY when it can matter (a NOTIFY serializes commits)
 //	took_over    set when a Reserve replaced an abandoned claim
+//	acked_owner  the owner of a completed row once a commit of it is known
+//	             to have waited for the synchronous standbys in full (see
+//	             confirm.go); a row whose acked_owner is not its owner is
+//	             confirmed before it is replayed
 //
 // The schema is versioned: idemcp_schema_migrations lists the migrations
 // applied, and a store applies the missing ones, in order, under a
@@ -40,10 +44,13 @@ CREATE TABLE IF NOT EXISTS idemcp_records (
 );
 CREATE INDEX IF NOT EXISTS idemcp_records_expires_at ON idemcp_records (expires_at);
 `,
+	2: `
+ALTER TABLE idemcp_records ADD COLUMN IF NOT EXISTS acked_owner text;
+`,
 }
 
 // SchemaVersion is the version of the schema this code needs.
-const SchemaVersion = 1
+const SchemaVersion = 2
 
 // migrationLock is the advisory lock key taken while migrating ("idemcp"
 // in ASCII).

@@ -368,3 +368,64 @@ logfile = %s
 	}
 	return b
 }
+
+// StartStandby runs a streaming-replication standby of primary, named name
+// (its application_name, as synchronous_standby_names lists it), from a
+// base backup of primary, on a free loopback port; it is stopped when the
+// test ends. Promote makes it a primary.
+func StartStandby(tb testing.TB, primary *Server, name string) *Server {
+	tb.Helper()
+	return StartStandbyAt(tb, primary, name, "")
+}
+
+// StartStandbyAt is StartStandby on addr (host:port; "": a free port), such
+// as the address of a primary that failed, so that clients listing both
+// addresses reach the pair again.
+func StartStandbyAt(tb testing.TB, primary *Server, name, addr string) *Server {
+	tb.Helper()
+	dir := tempDir(tb, primary.cred)
+	data := filepath.Join(dir, "data")
+	host, port, _ := net.SplitHostPort(primary.Addr)
+	conninfo := fmt.Sprintf("host=%s port=%s user=postgres application_name=%s", host, port, name)
+	if out, err := command(primary.cred, filepath.Join(primary.bin, "pg_basebackup"), "-D", data, "-d", conninfo,
+		"-X", "stream", "-c", "fast", "--no-sync", "-R").CombinedOutput(); err != nil {
+		tb.Fatalf("pg_basebackup of %s: %v\n%s", primary.Addr, err, out)
+	}
+	// -R writes primary_conninfo; the application name must be in it for
+	// the primary to count the standby as synchronous.
+	conf, err := os.OpenFile(filepath.Join(data, "postgresql.auto.conf"), os.O_APPEND|os.O_WRONLY, 0)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	_, err = fmt.Fprintf(conf, "primary_conninfo = '%s'\n", conninfo)
+	if cerr := conf.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		tb.Fatal(err)
+	}
+	var lastErr error
+	for range 5 {
+		a := addr
+		if a == "" {
+			a = net.JoinHostPort("127.0.0.1", strconv.Itoa(FreePort(tb)))
+		}
+		s := &Server{
+			Addr: a,
+			tb:   tb, bin: primary.bin, cred: primary.cred, data: data, log: filepath.Join(dir, "postgres.log"),
+		}
+		s.URL = "postgres://postgres@" + s.Addr + "/postgres?sslmode=disable"
+		if lastErr = s.start(); lastErr == nil {
+			tb.Cleanup(s.Stop)
+			return s
+		}
+	}
+	tb.Fatalf("starting the standby: %v", lastErr)
+	return nil
+}
+
+// Promote makes a standby a primary and waits until it takes writes.
+func (s *Server) Promote() {
+	s.tb.Helper()
+	Exec(s.tb, s.URL, `SELECT pg_promote(true, 30)`)
+}

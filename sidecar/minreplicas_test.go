@@ -1,0 +1,91 @@
+package sidecar
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"log/slog"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/idemcp/idemcp/internal/policy"
+	"github.com/idemcp/idemcp/sidecar/engine"
+	"github.com/idemcp/idemcp/sidecar/mcpmsg"
+	"github.com/idemcp/idemcp/sidecar/store/redis/redistest"
+)
+
+// The policy's store.redis.external.minReplicas reaches the store the
+// sidecar opens, as --redis-min-replicas does: against a Redis with no
+// replica a deduplicated call is refused -32013 naming the replicas and
+// nothing runs; once the Redis has a replica the same call runs and its
+// retry is replayed. The flag may raise the policy's value, not lower it.
+func TestPolicyMinReplicas(t *testing.T) {
+	t.Setenv("IDEMCP_REDIS_PASSWORD", "")
+	primary := redistest.Start(t)
+	pol, err := policy.Parse([]byte(`spec:
+  defaultMode: Deduplicate
+  keyScope: Global
+  store:
+    type: Redis
+    redis:
+      external:
+        addresses: ["` + primary.Addr + `"]
+        minReplicas: 1
+        minReplicasTimeout: 200ms
+`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		flag, want int
+		timeout    time.Duration
+	}{{0, 1, 200 * time.Millisecond}, {2, 2, time.Second}} {
+		ro, err := redisOptions(StoreOptions{RedisMinReplicas: tc.flag, RedisReplicaTimeout: time.Second}, pol)
+		if err != nil || ro.MinReplicas != tc.want || ro.ReplicaTimeout != tc.timeout {
+			t.Errorf("--redis-min-replicas %d under minReplicas 1: %d replicas, timeout %v (%v); want %d, %v", tc.flag, ro.MinReplicas, ro.ReplicaTimeout, err, tc.want, tc.timeout)
+		}
+	}
+
+	st, _, err := OpenStore(StoreOptions{Kind: "redis", RedisReplicaTimeout: time.Second}, pol, slog.New(slog.DiscardHandler))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = st.Close() })
+	e := engine.New(engine.Options{Policy: pol, Store: st})
+	runs := 0
+	call := func() (engine.Outcome, error) {
+		tc, err := engine.ParseToolCall(json.RawMessage(`{"name":"charge","arguments":{"cents":100}}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		p, err := e.Plan(tc, engine.Caller{})
+		if err != nil || p == nil {
+			t.Fatalf("Plan: %v %v", p, err)
+		}
+		return e.Execute(context.Background(), p, func(context.Context) (engine.Upstream, error) {
+			runs++
+			return engine.Upstream{Status: 200, Response: []byte(`{"jsonrpc":"2.0","id":1,"result":{"content":[]}}`)}, nil
+		})
+	}
+	_, err = call()
+	var ee *engine.Error
+	if !errors.As(err, &ee) || ee.Code != mcpmsg.CodeStoreUnavailable || !strings.Contains(ee.Message, "0 of the 1 replicas") || runs != 0 {
+		t.Fatalf("a call with no replica: %v (ran %d); want -32013 naming the replicas, and nothing run", err, runs)
+	}
+	redistest.StartReplica(t, primary)
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		out, err := call()
+		if err == nil && out.Kind == engine.Executed {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("a call with a replica in sync: %v, %v", out.Kind, err)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	if out, err := call(); err != nil || out.Kind != engine.Replayed || runs != 1 {
+		t.Fatalf("the retry: %v, %v (ran %d); want a replay of the one run", out.Kind, err, runs)
+	}
+}
