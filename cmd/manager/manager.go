@@ -63,6 +63,9 @@ type Options struct {
 	Zap              zap.Options
 	// SecretRecheck overrides how soon a missing Secret is looked for again.
 	SecretRecheck time.Duration
+	// ProxyUpstreamCheck overrides how often an IdempotentProxy's upstream
+	// is dialled (not a flag; tests shorten it).
+	ProxyUpstreamCheck time.Duration
 
 	// The webhook.
 	WebhookHost    string
@@ -389,6 +392,7 @@ func New(cfg *rest.Config, o Options) (ctrl.Manager, error) {
 			return nil, fmt.Errorf("adding the webhook certificate manager: %w", err)
 		}
 	}
+	var streams controllers.SyncedPods
 	if streamOn {
 		stream := policystream.New(mgr, policystream.Options{Addr: o.PolicyStreamAddr, CertDir: o.WebhookCertDir, CABundle: policyCA, FlushInterval: o.PolicyStreamFlush,
 			WriteTimeout: o.PolicyStreamWriteTimeout, MaxStreams: o.PolicyStreamMaxStreams,
@@ -400,6 +404,15 @@ func New(cfg *rest.Config, o Options) (ctrl.Manager, error) {
 		if o.OnPolicyStream != nil {
 			o.OnPolicyStream(stream)
 		}
+		streams = stream
+	}
+	// IdempotentProxies run the container the webhook injects, so they
+	// get its configuration.
+	if err := (&controllers.IdempotentProxyReconciler{
+		Client: mgr.GetClient(), APIReader: mgr.GetAPIReader(), Scheme: scheme,
+		Config: o.Sidecar, PolicyCA: policyCA, Streams: streams, UpstreamCheck: o.ProxyUpstreamCheck,
+	}).SetupWithManager(mgr); err != nil {
+		return nil, fmt.Errorf("setting up the IdempotentProxy controller: %w", err)
 	}
 	if err := mgr.AddHealthzCheck("healthz", healthz.Ping); err != nil {
 		return nil, err
