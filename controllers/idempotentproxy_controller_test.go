@@ -358,7 +358,7 @@ func TestIdempotentProxyUpstreamReachability(t *testing.T) {
 		t.Skipf("the server's port was taken meanwhile: %v", err)
 	}
 	back := httptest.NewUnstartedServer(srv.Config.Handler)
-	back.Listener.Close()
+	_ = back.Listener.Close()
 	back.Listener = ln
 	back.TLS = srv.TLS
 	back.StartTLS()

@@ -21,6 +21,7 @@ const (
 // +kubebuilder:validation:Enum=HTTP;HTTPS
 type UpstreamScheme string
 
+// Schemes of a Service upstream.
 const (
 	SchemeHTTP  UpstreamScheme = "HTTP"
 	SchemeHTTPS UpstreamScheme = "HTTPS"
@@ -194,6 +195,9 @@ type IdempotentProxyStatus struct {
 	Conditions []metav1.Condition `json:"conditions,omitempty"`
 }
 
+// IdempotentProxy is an idemcp-run deduplicating proxy in front of an
+// MCP server no sidecar can be injected into: a remote server, or one in
+// pods that may not be changed.
 // +kubebuilder:object:root=true
 // +kubebuilder:subresource:status
 // +kubebuilder:subresource:scale:specpath=.spec.replicas,statuspath=.status.replicas
