@@ -119,6 +119,7 @@ func TestRealNode(t *testing.T) {
 		{"ManagerPodDeleted", s.managerPodDeleted},
 		{"RedisPodDeleted", s.redisPodDeleted},
 		{"InjectedPodDeletedMidCall", s.podDeletedMidCall},
+		{"RemoteServerThroughIdempotentProxy", s.remoteProxy},
 		{"PlainPodWithoutManager", s.plainPodWithoutManager},
 		{"DeletePolicy", s.deletePolicy},
 	}
