@@ -11,6 +11,7 @@ import (
 	"strings"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
@@ -366,5 +367,43 @@ func TestIdempotentProxyUpstreamReachability(t *testing.T) {
 	waitProxyCondition(t, ns, "remote", v1alpha1.ConditionUpstreamReachable, v1alpha1.ReasonReachable)
 	if n := requests.Load(); n != 0 {
 		t.Errorf("the upstream got %d HTTP requests from the check; it must only dial", n)
+	}
+}
+
+// TestProxySharesNoKeySpace: a proxy under a workload's Redis policy keeps
+// its records under its own prefix, so the policy does not report the two
+// as sharing one key space.
+func TestProxySharesNoKeySpace(t *testing.T) {
+	ctx := context.Background()
+	ns := newNamespace(t)
+	p := &v1alpha1.IdempotencyPolicy{
+		ObjectMeta: metav1.ObjectMeta{Name: "shared", Namespace: ns},
+		Spec: v1alpha1.IdempotencyPolicySpec{Store: v1alpha1.StoreSpec{Type: v1alpha1.StoreRedis, Redis: &v1alpha1.RedisStoreSpec{
+			External: &v1alpha1.ExternalRedis{Addresses: []string{"redis.shared.svc:6379"}},
+		}}},
+	}
+	if err := k8s.Create(ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	a := newDeployment(t, ns, "billing", "1111")
+	injectedPod(t, ns, "billing-1111-x", "shared", a["1111"], true)
+	b := newDeployment(t, ns, "remote", "2222")
+	proxyPod := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: "remote-2222-x", Namespace: ns,
+			Labels:          map[string]string{v1alpha1.LabelPolicy: "shared", v1alpha1.LabelInject: "false", v1alpha1.LabelProxy: "remote"},
+			Annotations:     map[string]string{v1alpha1.AnnotationStatus: `{"policy":"shared"}`},
+			OwnerReferences: []metav1.OwnerReference{{APIVersion: "apps/v1", Kind: "ReplicaSet", Name: b["2222"].Name, UID: b["2222"].UID, Controller: ptr.To(true)}}},
+		Spec: corev1.PodSpec{Containers: []corev1.Container{{Name: "idemcp-proxy", Image: "idemcp:1"}}},
+	}
+	if err := k8s.Create(ctx, proxyPod); err != nil {
+		t.Fatal(err)
+	}
+	setPodReady(t, proxyPod)
+	eventually(t, "ExternalRedisConfigured with a workload and a proxy", func() error {
+		return condition(getPolicy(t, ns, "shared"), v1alpha1.ConditionStoreReady, metav1.ConditionTrue, v1alpha1.ReasonExternalRedis)
+	})
+	time.Sleep(2 * time.Second) // the reconciles the pods caused are done
+	if err := condition(getPolicy(t, ns, "shared"), v1alpha1.ConditionStoreReady, metav1.ConditionTrue, v1alpha1.ReasonExternalRedis); err != nil {
+		t.Fatal(err)
 	}
 }
