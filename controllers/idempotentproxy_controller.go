@@ -199,6 +199,10 @@ func (r *IdempotentProxyReconciler) Reconcile(ctx context.Context, req reconcile
 	if synced.Status != metav1.ConditionTrue && synced.Reason != v1alpha1.ReasonSyncNotObserved {
 		next = min(next, 2*time.Second) // acknowledgements come within a second
 	}
+	if configured.Status != metav1.ConditionTrue {
+		// Secrets and ConfigMaps are not watched: look again soon.
+		next = min(next, 5*time.Second)
+	}
 	return reconcile.Result{RequeueAfter: next}, nil
 }
 
@@ -323,8 +327,12 @@ func (r *IdempotentProxyReconciler) checkPolicySecrets(ctx context.Context, p *v
 // field when the earlier ones could be read.
 func (r *IdempotentProxyReconciler) upstreamTLS(ctx context.Context, px *v1alpha1.IdempotentProxy, upstream string) (*tls.Config, []string, []corev1.Volume, []corev1.VolumeMount, error) {
 	t := px.Spec.Upstream.TLS
-	if t == nil || !isHTTPS(upstream) {
+	if !isHTTPS(upstream) {
 		return nil, nil, nil, nil, nil
+	}
+	if t == nil {
+		// The system's roots and the URL's host, as the data plane does.
+		return &tls.Config{MinVersion: tls.VersionTLS12}, nil, nil, nil, nil
 	}
 	cfg := &tls.Config{MinVersion: tls.VersionTLS12, ServerName: t.ServerName}
 	var (
@@ -498,13 +506,19 @@ func templateHash(t corev1.PodTemplateSpec, store v1alpha1.StoreSpec) string {
 // belongs to someone else: idemcp never adopts an object.
 func (r *IdempotentProxyReconciler) ensureOwned(ctx context.Context, px *v1alpha1.IdempotentProxy, obj client.Object, mutate func()) error {
 	kind := fmt.Sprintf("%T", obj)[len("*v1."):]
+	conflict := configErr(v1alpha1.ReasonObjectConflict, "metadata.name: a %s %s/%s exists that IdempotentProxy %s does not control; idemcp never adopts it: delete it, or rename the proxy", kind, px.Namespace, px.Name, px.Name)
 	_, err := controllerutil.CreateOrUpdate(ctx, r.Client, obj, func() error {
 		if obj.GetUID() != "" && !metav1.IsControlledBy(obj, px) {
-			return configErr(v1alpha1.ReasonObjectConflict, "metadata.name: a %s %s/%s exists that IdempotentProxy %s does not control; idemcp never adopts it: delete it, or rename the proxy", kind, px.Namespace, px.Name, px.Name)
+			return conflict
 		}
 		mutate()
 		return controllerutil.SetControllerReference(px, obj, r.Scheme)
 	})
+	if apierrors.IsAlreadyExists(err) {
+		// The cache holds only idemcp's own objects (labelled
+		// app.kubernetes.io/managed-by: idemcp): this one is someone else's.
+		return conflict
+	}
 	var ce *proxyConfigError
 	if err != nil && !errors.As(err, &ce) {
 		return fmt.Errorf("applying %s %s/%s: %w", kind, px.Namespace, px.Name, err)

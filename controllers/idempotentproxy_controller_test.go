@@ -407,3 +407,36 @@ func TestProxySharesNoKeySpace(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestIdempotentProxyNeverAdopts: a Service of the proxy's name that
+// someone else made is left alone, and the status says what to do.
+func TestIdempotentProxyNeverAdopts(t *testing.T) {
+	ctx := context.Background()
+	ns := newNamespace(t)
+	newProxyPolicy(t, ns, "p")
+	theirs := &corev1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "remote"},
+		Spec: corev1.ServiceSpec{Ports: []corev1.ServicePort{{Port: 80}}, Selector: map[string]string{"app": "theirs"}}}
+	if err := k8s.Create(ctx, theirs); err != nil {
+		t.Fatal(err)
+	}
+	if err := k8s.Create(ctx, newProxy(ns, "remote", v1alpha1.IdempotentProxySpec{
+		Upstream: v1alpha1.ProxyUpstream{URL: "http://127.0.0.1:1"}, PolicyRef: v1alpha1.PolicyReference{Name: "p"},
+	})); err != nil {
+		t.Fatal(err)
+	}
+	c := waitProxyCondition(t, ns, "remote", v1alpha1.ConditionConfigured, v1alpha1.ReasonObjectConflict)
+	if !strings.Contains(c.Message, "metadata.name") || !strings.Contains(c.Message, "Service") {
+		t.Errorf("Configured: %s; want the Service and metadata.name named", c.Message)
+	}
+	if err := k8s.Get(ctx, client.ObjectKeyFromObject(theirs), theirs); err != nil {
+		t.Fatal(err)
+	}
+	if len(theirs.OwnerReferences) != 0 || theirs.Spec.Selector["app"] != "theirs" {
+		t.Errorf("their Service was changed: owners %v, selector %v", theirs.OwnerReferences, theirs.Spec.Selector)
+	}
+	// An unreachable plain-HTTP upstream is reported as such.
+	c = waitProxyCondition(t, ns, "remote", v1alpha1.ConditionUpstreamReachable, v1alpha1.ReasonUnreachable)
+	if !strings.Contains(c.Message, "127.0.0.1:1") {
+		t.Errorf("UpstreamReachable: %s; want the address", c.Message)
+	}
+}
