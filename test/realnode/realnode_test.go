@@ -172,6 +172,7 @@ func (s *suite) dump(t *testing.T) {
 	for _, args := range [][]string{
 		{"get", "pods", "-A", "-o", "wide"},
 		{"get", "idpol", "-A", "-o", "yaml"},
+		{"get", "idpx", "-A", "-o", "yaml"},
 		{"get", "events", "-A", "--sort-by=.lastTimestamp"},
 		{"-n", s.mgrNS, "logs", "-l", "app.kubernetes.io/component=manager", "--prefix", "--tail=40"},
 		{"-n", s.mgrNS, "get", "endpointslices", "-o", "wide"},
