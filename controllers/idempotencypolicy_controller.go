@@ -221,7 +221,7 @@ func (r *IdempotencyPolicyReconciler) reconcileStore(ctx context.Context, p *v1a
 		return memoryState(pods), 0, nil
 	}
 	if err == nil && st.status == metav1.ConditionTrue {
-		if ws := pods.names(); len(ws) > 1 {
+		if ws := pods.sharing(); len(ws) > 1 {
 			st.reason = v1alpha1.ReasonStoreSharedByWorkloads
 			st.message = fmt.Sprintf("pods of %d workloads use this policy (%s): a policy's key space belongs to one MCP server, so these servers may replay each other's results for the same tool and arguments; give each its own policy",
 				len(ws), bounded.List(ws))

@@ -38,7 +38,15 @@ func TestInstallManifests(t *testing.T) {
 		{"create", "statefulsets.apps", true},
 		{"create", "poddisruptionbudgets.policy", true},
 		{"create", "networkpolicies.networking.k8s.io", true},
-		{"create", "deployments.apps", false}, // only an earlier idemcp's Redis Deployment is deleted
+		// An IdempotentProxy's data plane; and an earlier idemcp's Redis
+		// Deployment is deleted.
+		{"create", "deployments.apps", true},
+		{"watch", "idempotentproxies.idemcp.io", true},
+		{"patch", "idempotentproxies.idemcp.io --subresource=status", true},
+		{"update", "idempotentproxies.idemcp.io", false}, // the spec is the user's
+		{"update", "idempotentproxies.idemcp.io --subresource=finalizers", true},
+		{"get", "configmaps", true}, // a proxy's CA bundle
+		{"list", "configmaps", false},
 		{"create", "secrets", true},
 		{"get", "secrets", true},
 		// The metadata watch of Secrets labelled idemcp.io/credentials
@@ -74,6 +82,8 @@ func TestPolicyRolesAggregate(t *testing.T) {
 	for role, want := range map[string]string{
 		"idemcp-idempotencypolicy-editor-role": "aggregate-to-edit",
 		"idemcp-idempotencypolicy-viewer-role": "aggregate-to-view",
+		"idemcp-idempotentproxy-editor-role":   "aggregate-to-edit",
+		"idemcp-idempotentproxy-viewer-role":   "aggregate-to-view",
 	} {
 		out, err := exec.Command(kubectl, "--kubeconfig", kubeconfig, "get", "clusterrole", role, "-o", "jsonpath={.metadata.labels}").CombinedOutput()
 		if err != nil || !strings.Contains(string(out), want) {

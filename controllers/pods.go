@@ -35,6 +35,20 @@ type policyPods struct {
 	workloads map[workload]map[string]int
 	// top is each live pod's top-level workload, by pod name.
 	top map[string]workload
+	// ownKeySpace are the workloads of IdempotentProxies: each keeps its
+	// records under a prefix of its own, so it shares no key space.
+	ownKeySpace map[workload]bool
+}
+
+// sharing names the workloads that share the policy's key space, sorted.
+func (pp *policyPods) sharing() []string {
+	var out []string
+	for _, w := range pp.sorted() {
+		if !pp.ownKeySpace[w] {
+			out = append(out, w.String())
+		}
+	}
+	return out
 }
 
 // sorted returns the workloads in a stable order.
@@ -94,7 +108,7 @@ func (r *IdempotencyPolicyReconciler) listPolicyPods(ctx context.Context, p *v1a
 	if err := r.List(ctx, &pods, client.InNamespace(p.Namespace), client.MatchingLabels{v1alpha1.LabelPolicy: p.Name}); err != nil {
 		return nil, fmt.Errorf("listing pods of %s: %w", klog.KObj(p), err)
 	}
-	out := &policyPods{workloads: map[workload]map[string]int{}, top: map[string]workload{}}
+	out := &policyPods{workloads: map[workload]map[string]int{}, top: map[string]workload{}, ownKeySpace: map[workload]bool{}}
 	owners := map[workload]workload{} // intermediate owner -> top-level
 	for i := range pods.Items {
 		pod := &pods.Items[i]
@@ -107,6 +121,9 @@ func (r *IdempotencyPolicyReconciler) listPolicyPods(ctx context.Context, p *v1a
 			return nil, err
 		}
 		out.top[pod.Name] = top
+		if pod.Labels[v1alpha1.LabelProxy] != "" {
+			out.ownKeySpace[top] = true
+		}
 		revs := out.workloads[top]
 		if revs == nil {
 			revs = map[string]int{}

@@ -29,6 +29,7 @@ func TestMain(m *testing.M) {
 	os.Exit(envtestutil.RunWithManager(m, manager.Options{
 		RedisImage: "redis:7.4-alpine", SecretRecheck: time.Second, MissingPolicy: "deny",
 		Sidecar: webhook.DefaultConfig("ghcr.io/idemcp/idemcp:test"), Namespace: "idemcp-system",
+		ProxyUpstreamCheck: time.Second,
 	}, func(c *envtestutil.Cluster) {
 		cfg, k8s, testEnv = c.Config, c.Client, c.Env
 		assetsDir = os.Getenv("KUBEBUILDER_ASSETS")

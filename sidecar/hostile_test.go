@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"context"
 	"encoding/json"
+	"encoding/pem"
 	"errors"
 	"fmt"
 	"io"
@@ -13,6 +14,7 @@ import (
 	"os"
 	"os/exec"
 	"os/signal"
+	"path/filepath"
 	"regexp"
 	"strconv"
 	"strings"
@@ -220,7 +222,20 @@ var otherClient = &http.Client{Timeout: 5 * time.Second, Transport: &http.Transp
 // is closed by the sidecar and its open files are back where they were.
 // Before the bounds the admin port held every connection, and those idle
 // after a request forever (no idle timeout).
+// TestHostileConnections floods a sidecar in front of a server in its pod,
+// and one in front of a remote HTTPS server (an IdempotentProxy's data
+// plane), whose upstream connections are TLS.
 func TestHostileConnections(t *testing.T) {
+	for _, remote := range []bool{false, true} {
+		name := "pod server"
+		if remote {
+			name = "remote HTTPS server"
+		}
+		t.Run(name, func(t *testing.T) { hostileConnections(t, remote) })
+	}
+}
+
+func hostileConnections(t *testing.T, remote bool) {
 	if _, err := os.Stat("/proc/self/fd"); err != nil {
 		t.Fatal("needs /proc to count the sidecar's open files")
 	}
@@ -228,12 +243,23 @@ func TestHostileConnections(t *testing.T) {
 	if limit := openFileLimit(); limit > 0 && limit < 2*n+1024 {
 		t.Fatalf("the open-file limit is %d; the flood needs %d connections: raise it (ulimit -Hn)", limit, 2*n)
 	}
-	up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	up := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Content-Type", "application/json")
 		_, _ = io.WriteString(w, `{"jsonrpc":"2.0","id":1,"result":{"content":[{"type":"text","text":"ran"}]}}`)
 	}))
+	var args []string
+	if remote {
+		up.StartTLS()
+		ca := filepath.Join(t.TempDir(), "ca.crt")
+		if err := os.WriteFile(ca, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: up.Certificate().Raw}), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		args = []string{"--upstream-ca-file", ca, "--upstream-host-header", "upstream"}
+	} else {
+		up.Start()
+	}
 	t.Cleanup(up.Close)
-	p := startSidecarProcess(t, up.URL)
+	p := startSidecarProcess(t, up.URL, args...)
 	if resp, err := otherClient.Get("http://" + p.admin + "/healthz"); err != nil || resp.StatusCode != 200 {
 		t.Fatalf("/healthz before the flood: %v", err)
 	}

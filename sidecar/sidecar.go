@@ -50,7 +50,12 @@ type Options struct {
 	// passing through teaches Auto ("": the upstream URL's host, and any
 	// Host).
 	UpstreamHost string
-	PolicyFile   string
+	// UpstreamHostHeader is client (the client's Host goes upstream) or
+	// upstream (--upstream's host does: a remote server).
+	UpstreamHostHeader string
+	// UpstreamTLS configures TLS to an https:// upstream (upstreamtls.go).
+	UpstreamTLS UpstreamTLSOptions
+	PolicyFile  string
 	// RetryWindow, when not 0, overrides the policy's spec.retryWindow
 	// (--retry-window), for a sidecar run without a manager.
 	RetryWindow time.Duration
@@ -185,6 +190,7 @@ func (o *Options) Flags(fs *flag.FlagSet) {
 	fs.StringVar(&o.Upstream, "upstream", "", "URL of the MCP server, such as http://127.0.0.1:8080 (required)")
 	fs.StringVar(&o.UpstreamDialIPs, "upstream-dial-ips", "", "IP addresses, comma-separated, where the sidecar connects to the upstream's port first, falling back to --upstream's host when nothing listens there; the webhook sets the pod's IPs, so that the MCP server sees requests to its pod IP, not loopback (empty: --upstream's host only)")
 	fs.StringVar(&o.UpstreamHost, "upstream-host", "", "the Host of the sidecar's own tool listing, for a server that allows only its public host names (such as mcp.shop.svc); then only tools/list responses to requests with this Host teach defaultMode Auto (empty: --upstream's host, and any Host)")
+	o.upstreamFlags(fs)
 	fs.StringVar(&o.PolicyFile, "policy-file", "", "an IdempotencyPolicy YAML file; only its spec is used (default: Memory store, Session scope, Auto, 24h TTL, 10m retry window)")
 	fs.StringVar(&o.Policy, "policy", "", "an inline IdempotencyPolicy manifest (YAML or JSON), as the webhook injects it; exclusive with --policy-file")
 	fs.DurationVar(&o.RetryWindow, "retry-window", 0, RetryWindowFlag)
@@ -275,6 +281,14 @@ func New(o Options) (*Sidecar, error) {
 	if err != nil {
 		return nil, err
 	}
+	tlsConfig, err := o.UpstreamTLS.config(up)
+	if err != nil {
+		return nil, err
+	}
+	var outHost string
+	if o.UpstreamHostHeader == HostHeaderUpstream {
+		outHost = up.Host
+	}
 	pol, err := LoadPolicy(o.PolicyFile, o.Policy)
 	if err != nil {
 		return nil, err
@@ -318,12 +332,18 @@ func New(o Options) (*Sidecar, error) {
 		// The listing's target and the tap's: the configuration's.
 		ToolsListPath: httpproxy.DefaultToolsListPath(up),
 		ToolsListHost: o.UpstreamHost,
+
+		Host:            outHost,
+		TLSClientConfig: tlsConfig,
 	})
 	// Auto needs each tool's readOnlyHint before its first call: the
 	// sidecar lists the tools itself rather than wait for a client to.
 	lt := httpproxy.NewTransport()
 	lt.MaxIdleConns, lt.MaxIdleConnsPerHost = 2, 2
 	lt.DialContext = dialer.DialContext
+	if tlsConfig != nil {
+		lt.TLSClientConfig = tlsConfig.Clone()
+	}
 	lh := toollist.NewHTTP(&http.Client{Timeout: 30 * time.Second, Transport: lt}, up, o.UpstreamHost)
 	lister := toollist.New(toollist.Options{Hints: eng.Hints(), List: lh.List, Registerer: reg, Logger: log, Listed: eng.ReportAnnotations})
 	lh.OnChanged(lister.Changed)

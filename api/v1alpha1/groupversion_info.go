@@ -22,7 +22,7 @@ var (
 )
 
 func addKnownTypes(s *runtime.Scheme) error {
-	s.AddKnownTypes(GroupVersion, &IdempotencyPolicy{}, &IdempotencyPolicyList{})
+	s.AddKnownTypes(GroupVersion, &IdempotencyPolicy{}, &IdempotencyPolicyList{}, &IdempotentProxy{}, &IdempotentProxyList{})
 	metav1.AddToGroupVersion(s, GroupVersion)
 	return nil
 }

@@ -64,6 +64,9 @@ type Options struct {
 	Zap              zap.Options
 	// SecretRecheck overrides how soon a missing Secret is looked for again.
 	SecretRecheck time.Duration
+	// ProxyUpstreamCheck overrides how often an IdempotentProxy's upstream
+	// is dialled (not a flag; tests shorten it).
+	ProxyUpstreamCheck time.Duration
 
 	// The webhook.
 	WebhookHost    string
@@ -390,6 +393,7 @@ func New(cfg *rest.Config, o Options) (ctrl.Manager, error) {
 			return nil, fmt.Errorf("adding the webhook certificate manager: %w", err)
 		}
 	}
+	var streams controllers.SyncedPods
 	if streamOn {
 		// kubectl idemcp keys: served on the stream's listener, which the
 		// sidecars of a Memory store answer it through.
@@ -405,6 +409,15 @@ func New(cfg *rest.Config, o Options) (ctrl.Manager, error) {
 		if o.OnPolicyStream != nil {
 			o.OnPolicyStream(stream)
 		}
+		streams = stream
+	}
+	// IdempotentProxies run the container the webhook injects, so they
+	// get its configuration.
+	if err := (&controllers.IdempotentProxyReconciler{
+		Client: mgr.GetClient(), APIReader: mgr.GetAPIReader(), Scheme: scheme,
+		Config: o.Sidecar, PolicyCA: policyCA, Streams: streams, UpstreamCheck: o.ProxyUpstreamCheck,
+	}).SetupWithManager(mgr); err != nil {
+		return nil, fmt.Errorf("setting up the IdempotentProxy controller: %w", err)
 	}
 	if err := mgr.AddHealthzCheck("healthz", healthz.Ping); err != nil {
 		return nil, err

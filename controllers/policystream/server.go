@@ -786,6 +786,25 @@ func (s *Server) labelSelf(ctx context.Context, leader bool) error {
 	return client.IgnoreNotFound(s.client.Patch(ctx, pod, client.RawPatch(types.MergePatchType, patch)))
 }
 
+// SyncedPods names the pods whose sidecar holds a stream for a policy on
+// this replica and enforces its current version (an IdempotentProxy
+// counts its own pods with it).
+func (s *Server) SyncedPods(namespace, name string) map[string]bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := map[string]bool{}
+	st := s.policies[types.NamespacedName{Namespace: namespace, Name: name}]
+	if st == nil || st.snap == nil {
+		return out
+	}
+	for c := range st.streams {
+		if c.report.Version == st.snap.version && c.report.RestartRequired == "" {
+			out[c.pod] = true
+		}
+	}
+	return out
+}
+
 // Streams reports how many sidecars hold a stream for a policy on this
 // replica, and how many of them enforce its current version.
 func (s *Server) Streams(namespace, name string) (connected, synced int) {

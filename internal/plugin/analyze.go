@@ -52,12 +52,14 @@ const (
 	CodeManagerBelowPDB     = "IDM011"
 	CodeWebhookNotInstalled = "IDM012"
 	CodeManagerNotReady     = "IDM013"
+	CodeProxyNotReady       = "IDM014"
 )
 
 // Codes lists every code, in order.
 var Codes = []string{
 	CodePodNotInjected, CodePolicyNotFound, CodeServiceBypass, CodeSidecarVersion, CodePolicyNotReady, CodePolicyNotSynced,
 	CodeNamespaceNotOptedIn, CodeMemoryStoreReplicas, CodeToolsUnannotated, CodeWebhookCertExpiry, CodeManagerBelowPDB, CodeWebhookNotInstalled, CodeManagerNotReady,
+	CodeProxyNotReady,
 }
 
 const (
@@ -242,6 +244,7 @@ func Analyze(ctx context.Context, e *Env) (*Report, error) {
 	s.checkTools(ctx, r)
 	s.checkWebhookCert(r)
 	s.checkManagerPDB(ctx, r)
+	s.checkProxies(ctx, r)
 	sort.SliceStable(r.Findings, func(i, j int) bool { return r.Findings[i].Code < r.Findings[j].Code })
 	if r.Findings == nil {
 		r.Findings = []Finding{}

@@ -6,6 +6,7 @@ package httpproxy
 import (
 	"bytes"
 	"context"
+	"crypto/tls"
 	"encoding/base64"
 	"encoding/json"
 	"errors"
@@ -95,6 +96,14 @@ type Options struct {
 	// (--upstream-host); then a tools/list response that passes through
 	// teaches Auto only when its request carried that Host too.
 	ToolsListHost string
+	// Host, if set, is the Host of every request sent upstream, in place
+	// of the client's: the upstream's own host, for a remote server that
+	// serves (and checks) its public name.
+	Host string
+	// TLSClientConfig configures the default Transport's TLS to an
+	// https:// upstream (nil: the system's roots, the URL's host as the
+	// server name).
+	TLSClientConfig *tls.Config
 }
 
 // Proxy is an http.Handler.
@@ -149,6 +158,9 @@ func New(o Options) *Proxy {
 		t := NewTransport()
 		if o.Dialer != nil {
 			t.DialContext = o.Dialer.DialContext
+		}
+		if o.TLSClientConfig != nil {
+			t.TLSClientConfig = o.TLSClientConfig.Clone()
 		}
 		o.Transport = t
 	}

@@ -89,7 +89,7 @@ func (p *Proxy) newPendingCall(in *http.Request, id json.RawMessage) *pendingCal
 		id:      bytes.Clone(id),
 		target:  p.target(in.URL).String(),
 		header:  h,
-		host:    in.Host,
+		host:    p.outHost(in.Host),
 		done:    make(chan struct{}),
 		wake:    make(chan struct{}, 1),
 		ids:     make(map[string]struct{}),
@@ -300,7 +300,7 @@ func (p *Proxy) serveResumedStream(w http.ResponseWriter, r *http.Request, calls
 	if _, ok := req.Header["User-Agent"]; !ok {
 		req.Header["User-Agent"] = []string{""}
 	}
-	req.Host = r.Host
+	req.Host = p.outHost(r.Host)
 	resp, err := p.client.Do(req)
 	if err != nil {
 		p.upstreamError(w, r, err)

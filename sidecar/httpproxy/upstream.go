@@ -88,14 +88,25 @@ var forwardingHeaders = []string{"Forwarded", "X-Forwarded-For", "X-Forwarded-Ho
 // to the upstream as outgoingHeader and target make it on the other paths.
 func (p *Proxy) rewrite(pr *httputil.ProxyRequest) {
 	pr.Out.URL = p.target(pr.In.URL)
-	// MCP servers check Host against DNS rebinding: keep the client's.
-	pr.Out.Host = pr.In.Host
+	// MCP servers check Host against DNS rebinding: keep the client's,
+	// unless the proxy is configured for the upstream's own (a remote
+	// server).
+	pr.Out.Host = p.outHost(pr.In.Host)
 	hop := connectionTokens(pr.In.Header)
 	for _, name := range forwardingHeaders {
 		if v, ok := pr.In.Header[name]; ok && !hop[strings.ToLower(name)] {
 			pr.Out.Header[name] = v
 		}
 	}
+}
+
+// outHost is the Host of a request sent upstream for a client whose
+// request carried host.
+func (p *Proxy) outHost(host string) string {
+	if p.opts.Host != "" {
+		return p.opts.Host
+	}
+	return host
 }
 
 // connectionTokens are the header names a request's Connection header
@@ -122,7 +133,7 @@ func (p *Proxy) newUpstreamRequest(ctx context.Context, in *http.Request, body [
 	}
 	out.URL = p.target(in.URL)
 	out.Header = outgoingHeader(in.Header)
-	out.Host = in.Host
+	out.Host = p.outHost(in.Host)
 	if body != nil {
 		out.Body = onceBody(body)
 		out.ContentLength = int64(len(body))

@@ -120,6 +120,7 @@ func TestRealNode(t *testing.T) {
 		{"ManagerPodDeleted", s.managerPodDeleted},
 		{"RedisPodDeleted", s.redisPodDeleted},
 		{"InjectedPodDeletedMidCall", s.podDeletedMidCall},
+		{"RemoteServerThroughIdempotentProxy", s.remoteProxy},
 		{"PlainPodWithoutManager", s.plainPodWithoutManager},
 		{"DeletePolicy", s.deletePolicy},
 	}
@@ -172,6 +173,7 @@ func (s *suite) dump(t *testing.T) {
 	for _, args := range [][]string{
 		{"get", "pods", "-A", "-o", "wide"},
 		{"get", "idpol", "-A", "-o", "yaml"},
+		{"get", "idpx", "-A", "-o", "yaml"},
 		{"get", "events", "-A", "--sort-by=.lastTimestamp"},
 		{"-n", s.mgrNS, "logs", "-l", "app.kubernetes.io/component=manager", "--prefix", "--tail=40"},
 		{"-n", s.mgrNS, "get", "endpointslices", "-o", "wide"},

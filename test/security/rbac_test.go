@@ -52,8 +52,12 @@ var managerRole = map[grant][]string{
 	{"", "services", ""}:                          {"create", "delete", "get", "list", "patch", "update", "watch"},
 	// Its own webhook configuration only (the CA bundle).
 	{"admissionregistration.k8s.io", "mutatingwebhookconfigurations", "idemcp-mutating-webhook-configuration"}: {"get", "patch", "update"},
-	// Deployments are read and deleted, never created.
-	{"apps", "deployments", ""}:  {"delete", "get", "list", "watch"},
+	// Deployments: an IdempotentProxy's data plane (created, updated,
+	// owned); the Deployments of an older managed Redis are deleted.
+	{"apps", "deployments", ""}: {"create", "delete", "get", "list", "patch", "update", "watch"},
+	// An IdempotentProxy's CA bundle may be a ConfigMap key, read one at a
+	// time (never listed or cached).
+	{"", "configmaps", ""}:       {"get"},
 	{"apps", "replicasets", ""}:  {"get"},
 	{"apps", "statefulsets", ""}: {"create", "delete", "get", "list", "patch", "update", "watch"},
 	// The policy stream authenticates sidecars by their projected tokens.
@@ -66,8 +70,13 @@ var managerRole = map[grant][]string{
 	{"idemcp.io", "idempotencypolicies", ""}:            {"get", "list", "patch", "watch"},
 	{"idemcp.io", "idempotencypolicies/finalizers", ""}: {"update"},
 	{"idemcp.io", "idempotencypolicies/status", ""}:     {"get", "patch", "update"},
-	{"networking.k8s.io", "networkpolicies", ""}:        {"create", "delete", "get", "list", "patch", "update", "watch"},
-	{"policy", "poddisruptionbudgets", ""}:              {"create", "delete", "get", "list", "patch", "update", "watch"},
+	// Proxies too: read and given status, never written otherwise.
+	{"idemcp.io", "idempotentproxies", ""}:        {"get", "list", "watch"},
+	{"idemcp.io", "idempotentproxies/status", ""}: {"get", "patch", "update"},
+	// blockOwnerDeletion on a proxy's Deployment, Service and PDB.
+	{"idemcp.io", "idempotentproxies/finalizers", ""}: {"update"},
+	{"networking.k8s.io", "networkpolicies", ""}:      {"create", "delete", "get", "list", "patch", "update", "watch"},
+	{"policy", "poddisruptionbudgets", ""}:            {"create", "delete", "get", "list", "patch", "update", "watch"},
 }
 
 // The leader-election Role, in the manager's namespace only.
