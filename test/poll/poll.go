@@ -71,4 +71,3 @@ func True(cond func() bool) func() error {
 		return errFalse
 	}
 }
-

@@ -27,6 +27,8 @@ type Spec struct {
 	// whose last lines an error quotes; a server that writes its own log
 	// there (redis-server --logfile) may share it. Empty: both discarded.
 	Log string
+	// Stderr, when set, takes the process's stderr instead of Log.
+	Stderr io.Writer
 	// Ready returns nil once the process serves; nil means started is
 	// ready.
 	Ready func() error
@@ -107,6 +109,9 @@ func (p *Process) Start() error {
 			}
 		}
 		cmd.Stdout, cmd.Stderr = logf, logf
+	}
+	if p.spec.Stderr != nil {
+		cmd.Stderr = p.spec.Stderr
 	}
 	if err := cmd.Start(); err != nil {
 		return fmt.Errorf("%s: %w", p.spec.Name, err)
