@@ -19,8 +19,13 @@ import (
 
 // Available reports whether the envtest binaries are there. When they are
 // not, a test binary under CI=true exits 1 (a missing dependency is a
-// failure there), and elsewhere the caller decides to skip.
+// failure there), and elsewhere the caller decides to skip. Under -short
+// (make test-unit) it is false.
 func Available() bool {
+	if testdeps.Short() {
+		fmt.Fprintln(os.Stderr, "skipping the envtest tests under -short (make test-unit); make test runs them")
+		return false
+	}
 	if os.Getenv("KUBEBUILDER_ASSETS") != "" {
 		return true
 	}
