@@ -23,6 +23,7 @@ import (
 	"time"
 
 	"github.com/idemcp/idemcp/internal/freeport"
+	"github.com/idemcp/idemcp/test/poll"
 	"github.com/idemcp/idemcp/test/procs"
 	"github.com/idemcp/idemcp/test/testdeps"
 )
@@ -78,17 +79,14 @@ func StartReplica(tb testing.TB, primary *Server, extra ...string) *Server {
 	r := launch(tb, "replica", func(dir string) []string {
 		return append(confArgs(tb, dir, fmt.Sprintf("replicaof %s %s\n", host, port)), extra...)
 	})
-	deadline := time.Now().Add(startTimeout)
-	for {
+	poll.Within(tb, startTimeout, fmt.Sprintf("replica %s to sync with %s", r.Addr, primary.Addr), func() error {
 		info, err := Do(r.Addr, "INFO", "replication")
-		if err == nil && strings.Contains(info, "master_link_status:up") {
-			return r
+		if err == nil && !strings.Contains(info, "master_link_status:up") {
+			err = fmt.Errorf("not synced:\n%s", info)
 		}
-		if time.Now().After(deadline) {
-			tb.Fatalf("replica %s did not sync with %s within %v: %v\n%s", r.Addr, primary.Addr, startTimeout, err, info)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+		return err
+	})
+	return r
 }
 
 // confArgs writes a configuration file holding conf (which CONFIG REWRITE
@@ -226,19 +224,15 @@ func StartCluster(tb testing.TB, n int) *Cluster {
 	}
 	// create returns once the nodes agree on the slots; gossip may still
 	// be marking the cluster up on some of them.
-	deadline := time.Now().Add(startTimeout)
 	for _, addr := range c.Addrs {
-		for {
+		poll.Within(tb, startTimeout, "cluster node "+addr+" to be ready", func() error {
 			info, err := Do(addr, "CLUSTER", "INFO")
-			if err == nil && strings.Contains(info, "cluster_state:ok") &&
-				strings.Contains(info, "cluster_known_nodes:"+strconv.Itoa(n)+"\r") {
-				break
+			if err == nil && !(strings.Contains(info, "cluster_state:ok") &&
+				strings.Contains(info, "cluster_known_nodes:"+strconv.Itoa(n)+"\r")) {
+				err = fmt.Errorf("not ready:\n%s", info)
 			}
-			if time.Now().After(deadline) {
-				tb.Fatalf("cluster node %s not ready within %v: %v\n%s", addr, startTimeout, err, info)
-			}
-			time.Sleep(50 * time.Millisecond)
-		}
+			return err
+		})
 	}
 	return c
 }
