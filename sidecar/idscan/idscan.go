@@ -142,8 +142,11 @@ func (s *Scanner) ID() json.RawMessage {
 		return nil
 	}
 	id := bytes.TrimSpace(s.id)
-	if len(id) == 0 || !(id[0] == '"' || id[0] == '-' || (id[0] >= '0' && id[0] <= '9')) || !json.Valid(id) {
+	if len(id) == 0 || !json.Valid(id) {
 		return nil
+	}
+	if c := id[0]; c != '"' && c != '-' && (c < '0' || c > '9') {
+		return nil // an object, an array, true, false or null
 	}
 	return json.RawMessage(bytes.Clone(id))
 }

@@ -35,7 +35,7 @@ func TestUntilReturnsTheLastErrorAtTheDeadline(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		start := time.Now()
 		want := errors.New("still down")
-		if err := Until(context.Background(), 3*time.Second, func() error { return want }); err != want {
+		if err := Until(context.Background(), 3*time.Second, func() error { return want }); !errors.Is(err, want) {
 			t.Fatalf("Until: %v, want %v", err, want)
 		}
 		if waited := time.Since(start); waited != 3*time.Second {

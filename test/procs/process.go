@@ -136,7 +136,7 @@ func (p *Process) Start() error {
 			if time.Now().After(deadline) {
 				_ = cmd.Process.Kill()
 				<-exited
-				return fmt.Errorf("%s not ready within %v: %v: %s", p.spec.Name, p.spec.ReadyTimeout, err, p.LogTail())
+				return fmt.Errorf("%s not ready within %v: %w: %s", p.spec.Name, p.spec.ReadyTimeout, err, p.LogTail())
 			}
 		}
 	}

@@ -227,8 +227,8 @@ func StartCluster(tb testing.TB, n int) *Cluster {
 	for _, addr := range c.Addrs {
 		poll.Within(tb, startTimeout, "cluster node "+addr+" to be ready", func() error {
 			info, err := Do(addr, "CLUSTER", "INFO")
-			if err == nil && !(strings.Contains(info, "cluster_state:ok") &&
-				strings.Contains(info, "cluster_known_nodes:"+strconv.Itoa(n)+"\r")) {
+			ready := strings.Contains(info, "cluster_state:ok") && strings.Contains(info, "cluster_known_nodes:"+strconv.Itoa(n)+"\r")
+			if err == nil && !ready {
 				err = fmt.Errorf("not ready:\n%s", info)
 			}
 			return err
