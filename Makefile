@@ -79,6 +79,14 @@ test: test-deps vet helm ## Run every test: unit, store contract, envtest, and e
 	assets="$$(hack/setup-envtest.sh)"; KUBEBUILDER_ASSETS="$$assets" HELM=$(HELM) $(GO) test -race -count=1 -timeout 40m $$($(GO) list ./... | grep -v -e /test/chaos -e /test/load)
 	$(MAKE) chaos
 
+# The inner loop's packages: everything but the suites under test/, which
+# are integration suites by nature, plus the test framework's own packages.
+UNIT_PKGS = $$($(GO) list ./... | grep -v -e '/test/') ./test/history ./test/poll ./test/procs ./test/testdeps
+
+.PHONY: test-unit
+test-unit: ## The inner loop: go test -short, which leaves out every test that starts a real process (redis-server, PostgreSQL, a built binary, envtest); make test runs those.
+	$(GO) test -short $(UNIT_PKGS)
+
 .PHONY: demo
 demo: build ## Show idemcp's main job on a local control plane: injection, 5 retries -> 1 charge, a live policy change (about a minute; the first run builds kube-apiserver, 5-10 minutes). With KUBECONFIG=... on the command line: on that real cluster, with the images IMG and DEMO_SERVER_IMG (make demo-images).
 ifeq ($(origin KUBECONFIG),command line)

@@ -4,28 +4,20 @@
 package main
 
 import (
-	"context"
-	"errors"
-	"flag"
 	"fmt"
 	"os"
-	"os/signal"
-	"syscall"
 
 	"github.com/idemcp/idemcp/cmd/manager"
-	"github.com/idemcp/idemcp/internal/version"
+	"github.com/idemcp/idemcp/internal/cli"
 	"github.com/idemcp/idemcp/sidecar"
 	"github.com/idemcp/idemcp/sidecar/stdio"
 )
 
-var commands = map[string]func(ctx context.Context, args []string) error{
+var commands = map[string]cli.Command{
 	"sidecar": sidecar.Main,
 	"wrap":    stdio.Main,
 	"manager": manager.Main,
-	"version": func(context.Context, []string) error {
-		fmt.Println(version.Get())
-		return nil
-	},
+	"version": cli.Version,
 }
 
 const usage = `idemcp makes MCP tool calls exactly-once.
@@ -40,29 +32,7 @@ Run idemcp COMMAND --help for a command's flags.
 `
 
 func main() {
-	if len(os.Args) < 2 || os.Args[1] == "help" || os.Args[1] == "-h" || os.Args[1] == "--help" {
-		fmt.Print(usage)
-		if len(os.Args) < 2 {
-			os.Exit(2)
-		}
-		return
-	}
-	run, ok := commands[os.Args[1]]
-	if !ok {
-		fmt.Fprintf(os.Stderr, "idemcp: unknown command %q; run idemcp --help for the commands\n", os.Args[1])
-		os.Exit(2)
-	}
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
-	if err := run(ctx, os.Args[2:]); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return
-		}
-		var exit interface{ ExitCode() int }
-		if errors.As(err, &exit) {
-			os.Exit(exit.ExitCode()) // the wrapped server already said why on stderr
-		}
-		fmt.Fprintf(os.Stderr, "idemcp %s: %v\n", os.Args[1], err)
-		os.Exit(1)
-	}
+	cli.Program{Name: "idemcp", Usage: usage, Commands: commands, Unknown: func(name string) string {
+		return fmt.Sprintf("idemcp: unknown command %q; run idemcp --help for the commands\n", name)
+	}}.Main(os.Args)
 }

@@ -19,6 +19,7 @@ import (
 
 	"github.com/idemcp/idemcp/api/v1alpha1"
 	"github.com/idemcp/idemcp/internal/credentials"
+	"github.com/idemcp/idemcp/internal/managedredis"
 )
 
 // DefaultRedisImage runs a new managed Redis when the policy names no image.
@@ -36,7 +37,7 @@ var (
 )
 
 const (
-	redisPort          = 6379
+	redisPort          = managedredis.Port
 	redisPasswordKey   = credentials.RedisPasswordKey
 	redisConfigKey     = credentials.RedisConfigKey
 	redisComponent     = "redis"
@@ -58,7 +59,7 @@ const (
 // append-only file (it answers LOADING), nor to a wrong password.
 // redis-cli exits 0 on an error reply, hence the grep; it reads the
 // password from REDISCLI_AUTH, so it never appears on a command line.
-var RedisReadinessCommand = []string{"sh", "-c", "redis-cli -h 127.0.0.1 -p 6379 ping | grep -qx PONG"}
+var RedisReadinessCommand = []string{"sh", "-c", fmt.Sprintf("redis-cli -h 127.0.0.1 -p %d ping | grep -qx PONG", redisPort)}
 
 // RedisName is the name of the Secret, StatefulSet, Service,
 // PodDisruptionBudget and NetworkPolicy of a policy's managed Redis.
@@ -69,7 +70,7 @@ func RedisClaimName(policy string) string { return redisDataVolume + "-" + Redis
 
 // RedisEndpoint is the address sidecars use for a policy's managed Redis.
 func RedisEndpoint(p *v1alpha1.IdempotencyPolicy) string {
-	return fmt.Sprintf("%s.%s.svc:%d", RedisName(p.Name), p.Namespace, redisPort)
+	return managedredis.Addr(p.Namespace, p.Name)
 }
 
 func redisLabels(p *v1alpha1.IdempotencyPolicy) map[string]string {

@@ -189,18 +189,11 @@ func sealShared(st prefixedStore, kind string, opts []StoreOption) (Store, error
 		_ = st.Close()
 		return nil, fmt.Errorf("idempotency: %s store: %w", kind, err)
 	}
-	if ring == nil {
-		c.log.Warn("Results are stored unsealed: whoever can read the store reads them, and whoever can write to it can plant a result that a call returns without running fn; pass idempotency.SealKeys or idempotency.SealKeyring",
-			"store", kind, "prefix", prefix)
-		return st, nil
-	}
-	log := c.log
-	return store.Seal(st, store.SealOptions{
-		Keyring: ring,
-		Context: prefix,
-		OnOpenFailure: func(key, reason string) {
-			log.Warn("A stored result failed to open and is treated as absent; fn runs as for a new key", "store", kind, "key", key, "reason", reason)
-		},
+	return store.SealOrWarn(st, store.SealSetup{
+		Keyring: ring, Context: prefix, Log: c.log,
+		Unsealed:   "Results are stored unsealed: whoever can read the store reads them, and whoever can write to it can plant a result that a call returns without running fn; pass idempotency.SealKeys or idempotency.SealKeyring",
+		OpenFailed: "A stored result failed to open and is treated as absent; fn runs as for a new key",
+		Attrs:      []any{"store", kind, "prefix", prefix},
 	}), nil
 }
 

@@ -67,24 +67,20 @@ func sealKeyring(o StoreOptions) (*store.Keyring, error) {
 // shared store gets a warning (whoever can write to it can plant a result
 // that a retry replays); the memory store, inside the process, a note.
 func sealStore(st store.Store, ring *store.Keyring, prefix string, o StoreOptions, log *slog.Logger) store.Store {
-	if ring == nil {
-		if _, memory := st.(*store.Memory); memory {
-			log.Info("Results are stored unsealed (memory store, no seal key)")
-		} else {
-			log.Warn("Results are stored unsealed: whoever can read the store reads them, and whoever can write to it can plant a result that a retry replays; give a seal key with --seal-keys-file or " + SealKeysEnv + " (in a pod the webhook does)")
-		}
-		return st
+	unsealed := "Results are stored unsealed: whoever can read the store reads them, and whoever can write to it can plant a result that a retry replays; give a seal key with --seal-keys-file or " + SealKeysEnv + " (in a pod the webhook does)"
+	switch _, memory := st.(*store.Memory); {
+	case ring == nil && memory:
+		log.Info("Results are stored unsealed (memory store, no seal key)")
+		unsealed = ""
+	case ring != nil:
+		log.Info("Results are sealed", "keyID", ring.CurrentID(), "keyIDs", strings.Join(ring.IDs(), ","))
 	}
-	log.Info("Results are sealed", "keyID", ring.CurrentID(), "keyIDs", strings.Join(ring.IDs(), ","))
-	failures := o.SealOpenFailures
-	return store.Seal(st, store.SealOptions{
-		Keyring: ring,
-		Context: prefix,
-		OnOpenFailure: func(key, reason string) {
-			if failures != nil {
-				failures.WithLabelValues(reason).Inc()
-			}
-			log.Warn("A stored result failed to open and is treated as absent; the call runs as new", "key", key, "reason", reason)
-		},
+	var counted func(string)
+	if failures := o.SealOpenFailures; failures != nil {
+		counted = func(reason string) { failures.WithLabelValues(reason).Inc() }
+	}
+	return store.SealOrWarn(st, store.SealSetup{
+		Keyring: ring, Context: prefix, Log: log, Unsealed: unsealed, Counted: counted,
+		OpenFailed: "A stored result failed to open and is treated as absent; the call runs as new",
 	})
 }

@@ -120,7 +120,7 @@ const DefaultMaxConnections = 20000
 // StoreOptions choose and reach the store; `idemcp sidecar` and
 // `idemcp wrap` share them.
 type StoreOptions struct {
-	// Kind overrides the policy's store.type: "memory" or "redis".
+	// Kind overrides the policy's store.type: "memory", "redis" or "postgres".
 	Kind             string
 	MemoryMaxEntries int
 	MemoryMaxBytes   int64

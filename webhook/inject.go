@@ -16,6 +16,7 @@ import (
 
 	"github.com/idemcp/idemcp/api/v1alpha1"
 	"github.com/idemcp/idemcp/internal/credentials"
+	"github.com/idemcp/idemcp/internal/managedredis"
 	"github.com/idemcp/idemcp/internal/policy"
 )
 
@@ -403,7 +404,7 @@ func sidecarContainer(p *v1alpha1.IdempotencyPolicy, cfg Config, plan *portPlan,
 	}
 	if r := p.Spec.Store.Redis; p.Spec.Store.Type == v1alpha1.StoreRedis && r != nil {
 		if r.Managed != nil {
-			args = append(args, "--redis-addr="+fmt.Sprintf("%s-redis.%s.svc:6379", p.Name, p.Namespace))
+			args = append(args, "--redis-addr="+managedredis.Addr(p.Namespace, p.Name))
 		}
 		// The policy's own key space: every workload of the policy shares
 		// it (a sidecar run by hand would add its upstream to it).

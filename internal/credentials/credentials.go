@@ -14,6 +14,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/idemcp/idemcp/api/v1alpha1"
+	"github.com/idemcp/idemcp/internal/managedredis"
 )
 
 // Label and Value opt a Secret in to use by idemcp.
@@ -25,13 +26,13 @@ const (
 // Managed Secrets: the names and keys the controller gives a policy's own
 // Secrets (it makes them, labelled).
 const (
-	RedisPasswordKey = "password"
-	RedisConfigKey   = "redis.conf"
+	RedisPasswordKey = managedredis.PasswordKey
+	RedisConfigKey   = managedredis.ConfigKey
 	SealKeysKey      = "keys"
 )
 
 // RedisSecretName is the Secret of a policy's managed Redis.
-func RedisSecretName(policy string) string { return policy + "-redis" }
+func RedisSecretName(policy string) string { return managedredis.Name(policy) }
 
 // SealSecretName is the Secret of a policy's seal keys.
 func SealSecretName(policy string) string { return policy + "-seal" }

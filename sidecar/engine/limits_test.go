@@ -12,6 +12,7 @@ import (
 
 	"github.com/idemcp/idemcp/sidecar/mcpmsg"
 	"github.com/idemcp/idemcp/sidecar/store"
+	"github.com/idemcp/idemcp/test/poll"
 )
 
 // blockingUpstream is an upstream whose calls run until released, counting
@@ -25,17 +26,6 @@ func (u *blockingUpstream) forward(context.Context) (Upstream, error) {
 	u.ran.Add(1)
 	<-u.release
 	return Upstream{Status: 200, Response: []byte(`{"jsonrpc":"2.0","id":1,"result":{"content":[]}}`)}, nil
-}
-
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(2 * time.Millisecond)
-	}
 }
 
 func planFor(t *testing.T, e *Engine, args string, c Caller) *Plan {
@@ -80,11 +70,11 @@ func TestWaitersAreBounded(t *testing.T) {
 	// Owners of two keys (owners are not waiters).
 	run(`{"n":1}`, mallory)
 	run(`{"n":2}`, mallory)
-	waitFor(t, "both first calls to run", func() bool { return up.ran.Load() == 2 })
+	poll.Within(t, 10*time.Second, "both first calls to run", poll.True(func() bool { return up.ran.Load() == 2 }))
 	// Mallory's two duplicates wait; her third is over her bound.
 	run(`{"n":1}`, mallory)
 	run(`{"n":2}`, mallory)
-	waitFor(t, "two waiters", func() bool { return e.Waiting() == 2 })
+	poll.Within(t, 10*time.Second, "two waiters", poll.True(func() bool { return e.Waiting() == 2 }))
 	_, err := e.Execute(context.Background(), planFor(t, e, `{"n":2}`, mallory), up.forward)
 	var ee *Error
 	if !errors.As(err, &ee) || ee.Code != mcpmsg.CodeOverloaded || up.ran.Load() != 2 {
@@ -93,7 +83,7 @@ func TestWaitersAreBounded(t *testing.T) {
 	// Alice is not starved by Mallory: she waits on key 1 (its second
 	// waiter), and a third waiter on key 1 is over the key's bound.
 	run(`{"n":1}`, alice)
-	waitFor(t, "alice waiting", func() bool { return e.Waiting() == 3 })
+	poll.Within(t, 10*time.Second, "alice waiting", poll.True(func() bool { return e.Waiting() == 3 }))
 	_, err = e.Execute(context.Background(), planFor(t, e, `{"n":1}`, Caller{Principal: "Bearer carol"}), up.forward)
 	if !errors.As(err, &ee) || ee.Code != mcpmsg.CodeOverloaded {
 		t.Fatalf("a third waiter on one key: %v; want -32017", err)
@@ -213,7 +203,7 @@ func TestRunningCallsAreBounded(t *testing.T) {
 		ctx, cancel := context.WithCancel(context.Background())
 		p := planFor(t, e, fmt.Sprintf(`{"n":%d}`, i), mallory)
 		go func() { _, _ = e.Execute(ctx, p, up.forward) }()
-		waitFor(t, "mallory's call to run", func() bool { return up.ran.Load() == int32(i+1) })
+		poll.Within(t, 10*time.Second, "mallory's call to run", poll.True(func() bool { return up.ran.Load() == int32(i+1) }))
 		cancel()
 	}
 	var ee *Error
@@ -227,7 +217,7 @@ func TestRunningCallsAreBounded(t *testing.T) {
 		_, err := e.Execute(context.Background(), planFor(t, e, `{"n":0}`, alice), up.forward)
 		aliceDone <- err
 	}()
-	waitFor(t, "alice's call to run", func() bool { return up.ran.Load() == 4 })
+	poll.Within(t, 10*time.Second, "alice's call to run", poll.True(func() bool { return up.ran.Load() == 4 }))
 	// Bob is over the sidecar's total.
 	_, err = e.Execute(context.Background(), planFor(t, e, `{"n":0}`, bob), up.forward)
 	if !errors.As(err, &ee) || ee.Code != mcpmsg.CodeOverloaded || up.ran.Load() != 4 {
@@ -240,7 +230,7 @@ func TestRunningCallsAreBounded(t *testing.T) {
 	if err := <-aliceDone; err != nil {
 		t.Fatalf("alice's call: %v", err)
 	}
-	waitFor(t, "the calls to end", func() bool { return e.Running() == 0 })
+	poll.Within(t, 10*time.Second, "the calls to end", poll.True(func() bool { return e.Running() == 0 }))
 	// Mallory's refused call was released, not left "outcome unknown":
 	// it runs now.
 	out, err := e.Execute(context.Background(), planFor(t, e, `{"n":3}`, mallory), up.forward)

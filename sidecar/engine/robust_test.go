@@ -18,6 +18,7 @@ import (
 
 	"github.com/idemcp/idemcp/sidecar/mcpmsg"
 	"github.com/idemcp/idemcp/sidecar/store"
+	"github.com/idemcp/idemcp/test/poll"
 )
 
 func plan(t testing.TB, e *Engine, params string, c Caller) *Plan {
@@ -166,10 +167,13 @@ func TestGoRecovers(t *testing.T) {
 		panic("the panic of issue 9") // once an assignment to entry in nil map
 	})
 	<-done
-	time.Sleep(10 * time.Millisecond)
-	if n := counter(e.Metrics().Panics.WithLabelValues("test")); n != 1 {
-		t.Errorf("idemcp_panics_total{where=test} = %v, want 1", n)
-	}
+	// The panic is counted after the deferred close: wait for the count.
+	poll.Within(t, 10*time.Second, "the panic to be counted", func() error {
+		if n := counter(e.Metrics().Panics.WithLabelValues("test")); n != 1 {
+			return fmt.Errorf("idemcp_panics_total{where=test} = %v, want 1", n)
+		}
+		return nil
+	})
 }
 
 // renewStore is a memory store whose renewals fail while down is set; it
@@ -383,33 +387,36 @@ func TestFailedRenewalsBackOffUntilTheLeaseEnds(t *testing.T) {
 // An explicit key reused with other arguments is refused whatever became
 // of the first call, even when it was abandoned and onAbandoned is Retry.
 func TestKeyReusedWithOtherArgumentsAfterAbandon(t *testing.T) {
-	m := store.NewMemory(0)
-	e := New(Options{Policy: mustPolicy(t, "spec: {defaultMode: Deduplicate}"), Store: m})
-	keyed := func(args string) *Plan {
-		return plan(t, e, `{"name":"t","arguments":`+args+`,"_meta":{"idempotency-key":"order-1"}}`, alice)
-	}
-	first, other := keyed(`{"amount":5}`), keyed(`{"amount":500}`)
-	if first.Key != other.Key || first.Fingerprint == other.Fingerprint {
-		t.Fatal("the two calls should share a key and differ in fingerprint")
-	}
-	// The first call's sidecar died mid-call: its claim is abandoned.
-	if _, err := m.Reserve(context.Background(), store.Claim{Key: first.Key, Fingerprint: first.Fingerprint, Owner: "dead", Lease: 200 * time.Millisecond, Retention: time.Minute}); err != nil {
-		t.Fatal(err)
-	}
-	time.Sleep(300 * time.Millisecond)
-	ran := 0
-	_, err := e.Execute(context.Background(), other, func(context.Context) (Upstream, error) {
-		ran++
-		return Upstream{Response: []byte(`{"result":{}}`), Status: 200}, nil
+	synctest.Test(t, func(t *testing.T) {
+		m := store.NewMemory(0)
+		defer func() { _ = m.Close() }()
+		e := New(Options{Policy: mustPolicy(t, "spec: {defaultMode: Deduplicate}"), Store: m})
+		keyed := func(args string) *Plan {
+			return plan(t, e, `{"name":"t","arguments":`+args+`,"_meta":{"idempotency-key":"order-1"}}`, alice)
+		}
+		first, other := keyed(`{"amount":5}`), keyed(`{"amount":500}`)
+		if first.Key != other.Key || first.Fingerprint == other.Fingerprint {
+			t.Fatal("the two calls should share a key and differ in fingerprint")
+		}
+		// The first call's sidecar died mid-call: its claim is abandoned.
+		if _, err := m.Reserve(context.Background(), store.Claim{Key: first.Key, Fingerprint: first.Fingerprint, Owner: "dead", Lease: 200 * time.Millisecond, Retention: time.Minute}); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(300 * time.Millisecond) // the bubble's clock: the lease lapses, no waiting
+		ran := 0
+		_, err := e.Execute(context.Background(), other, func(context.Context) (Upstream, error) {
+			ran++
+			return Upstream{Response: []byte(`{"result":{}}`), Status: 200}, nil
+		})
+		var ee *Error
+		if !errors.As(err, &ee) || ee.Code != mcpmsg.CodeKeyConflict || ran != 0 {
+			t.Fatalf("other arguments under an abandoned key: %v, ran %d; want -32010 and nothing run", err, ran)
+		}
+		out, err := e.Execute(context.Background(), first, respond(`{"result":{"ok":true}}`))
+		if err != nil || out.Kind != Executed {
+			t.Fatalf("the first call's retry: %v %v; want it to take over and run", out.Kind, err)
+		}
 	})
-	var ee *Error
-	if !errors.As(err, &ee) || ee.Code != mcpmsg.CodeKeyConflict || ran != 0 {
-		t.Fatalf("other arguments under an abandoned key: %v, ran %d; want -32010 and nothing run", err, ran)
-	}
-	out, err := e.Execute(context.Background(), first, respond(`{"result":{"ok":true}}`))
-	if err != nil || out.Kind != Executed {
-		t.Fatalf("the first call's retry: %v %v; want it to take over and run", out.Kind, err)
-	}
 }
 
 // A derived key needs a scope: an anonymous caller under Session scope (no

@@ -19,6 +19,7 @@ import (
 	"github.com/idemcp/idemcp/sidecar/engine"
 	"github.com/idemcp/idemcp/sidecar/mcpmsg"
 	"github.com/idemcp/idemcp/sidecar/store"
+	"github.com/idemcp/idemcp/test/poll"
 )
 
 func TestLegacyClientEndpoint(t *testing.T) {
@@ -305,11 +306,7 @@ func TestLegacyClientLeavesHoldsUpstreamUntilAnswered(t *testing.T) {
 	c := openLegacy(t, proxy.URL)
 	call := `{"jsonrpc":"2.0","id":%d,"method":"tools/call","params":{"name":"charge","arguments":{"delayMs":%d}}}`
 	c.post(fmt.Sprintf(call, 1, 0))
-	for start := time.Now(); f.calls.Load() == 0; time.Sleep(5 * time.Millisecond) {
-		if time.Since(start) > time.Minute {
-			t.Fatal("the call never reached the server")
-		}
-	}
+	poll.Within(t, time.Minute, "the call to reach the server", poll.True(func() bool { return f.calls.Load() != 0 }))
 	c.cancel() // the client's stream goes away mid-call
 	// A stream wrongly closed with the client's would be gone by now; the
 	// call cannot have answered, whatever the machine's load.
@@ -318,13 +315,7 @@ func TestLegacyClientLeavesHoldsUpstreamUntilAnswered(t *testing.T) {
 		t.Fatalf("%d upstream streams open while the call runs, want 1 (held)", n)
 	}
 	close(f.hold)
-	deadline := time.Now().Add(5 * time.Second)
-	for f.gets.Load() != 0 {
-		if time.Now().After(deadline) {
-			t.Fatal("the held upstream stream was not closed after the response")
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+	poll.Within(t, 5*time.Second, "the held upstream stream to close after the response", poll.True(func() bool { return f.gets.Load() == 0 }))
 	if n := f.calls.Load(); n != 1 {
 		t.Fatalf("server ran %d calls, want 1", n)
 	}

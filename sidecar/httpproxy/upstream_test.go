@@ -20,6 +20,7 @@ import (
 	"github.com/idemcp/idemcp/internal/policy"
 	"github.com/idemcp/idemcp/sidecar/engine"
 	"github.com/idemcp/idemcp/sidecar/store"
+	"github.com/idemcp/idemcp/test/poll"
 )
 
 func newTestProxy(t *testing.T, upstream, policyYAML string) *httptest.Server {
@@ -345,13 +346,7 @@ func TestToolsListIsLearnedFromCompressedEvents(t *testing.T) {
 	}
 	_, _ = io.Copy(io.Discard, resp.Body)
 	_ = resp.Body.Close()
-	deadline := time.Now().Add(2 * time.Second)
-	for p.engine.Deduplicates("look") {
-		if time.Now().After(deadline) {
-			t.Fatal("a readOnlyHint tool listed in a gzip-encoded event stream is still deduplicated")
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+	poll.Within(t, 2*time.Second, "a readOnlyHint tool listed in a gzip-encoded event stream to pass through", poll.True(func() bool { return !p.engine.Deduplicates("look") }))
 }
 
 // TestEscapedPathKeptEscaped: a path with an escaped slash (an endpoint a

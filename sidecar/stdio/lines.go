@@ -7,6 +7,8 @@ import (
 	"errors"
 	"io"
 	"sync"
+
+	"github.com/idemcp/idemcp/sidecar/idscan"
 )
 
 // lineReader reads newline-delimited messages of at most max bytes. A
@@ -72,16 +74,16 @@ func (lr *lineReader) next() ([]byte, *overlong, error) {
 
 // skip consumes the rest of an over-long line, scanning it for its id.
 func (lr *lineReader) skip(prefix, chunk []byte, err error) *overlong {
-	var sc idScanner
-	sc.feed(prefix)
+	var sc idscan.Scanner
+	_, _ = sc.Write(prefix)
 	size := int64(len(prefix))
 	for {
 		if err == nil {
-			sc.feed(chunk[:len(chunk)-1])
+			_, _ = sc.Write(chunk[:len(chunk)-1])
 			size += int64(len(chunk) - 1)
 			break
 		}
-		sc.feed(chunk)
+		_, _ = sc.Write(chunk)
 		size += int64(len(chunk))
 		if !errors.Is(err, bufio.ErrBufferFull) {
 			lr.err = err
@@ -89,139 +91,7 @@ func (lr *lineReader) skip(prefix, chunk []byte, err error) *overlong {
 		}
 		chunk, err = lr.r.ReadSlice('\n')
 	}
-	return &overlong{size: size, id: sc.result(), method: sc.method}
-}
-
-// idScanner finds the top-level "id" of a JSON object streamed through it
-// in pieces, and notes a top-level "method", in one pass and constant
-// memory.
-type idScanner struct {
-	depth    int
-	inString bool
-	escaped  bool
-	wantKey  bool // at depth 1 the next string is a member name
-	inKey    bool
-	key      []byte
-	keyLong  bool
-	val      int
-	id       []byte
-	idLong   bool
-	gotID    bool
-	method   bool
-}
-
-const (
-	valNone = iota
-	valNext
-	valString
-	valNumber
-)
-
-// maxIDBytes bounds a remembered id; a longer one is not answered.
-const maxIDBytes = 256
-
-func (s *idScanner) feed(b []byte) {
-	for _, c := range b {
-		s.byte(c)
-	}
-}
-
-func (s *idScanner) keep(c byte) {
-	if len(s.id) < maxIDBytes {
-		s.id = append(s.id, c)
-	} else {
-		s.idLong = true
-	}
-}
-
-func (s *idScanner) byte(c byte) {
-	if s.inString {
-		switch {
-		case s.escaped:
-			s.escaped = false
-		case c == '\\':
-			s.escaped = true
-		case c == '"':
-			s.inString = false
-			s.inKey = false
-			if s.val == valString {
-				s.keep(c)
-				s.val = valNone
-				s.gotID = !s.idLong
-			}
-			return
-		}
-		if s.inKey {
-			if len(s.key) < 16 {
-				s.key = append(s.key, c)
-			} else {
-				s.keyLong = true
-			}
-		}
-		if s.val == valString {
-			s.keep(c)
-		}
-		return
-	}
-	if s.val == valNumber {
-		if (c >= '0' && c <= '9') || c == '-' || c == '+' || c == '.' || c == 'e' || c == 'E' {
-			s.keep(c)
-			return
-		}
-		s.val = valNone
-		s.gotID = !s.idLong
-	}
-	switch c {
-	case ' ', '\t', '\r', '\n':
-	case '"':
-		s.inString = true
-		switch {
-		case s.depth == 1 && s.wantKey:
-			s.wantKey, s.inKey, s.keyLong = false, true, false
-			s.key = s.key[:0]
-		case s.val == valNext:
-			s.val, s.idLong, s.gotID = valString, false, false
-			s.id = append(s.id[:0], '"')
-		}
-	case ':':
-		if s.depth == 1 && !s.keyLong {
-			switch string(s.key) {
-			case "id":
-				s.val = valNext
-			case "method":
-				s.method = true
-			}
-		}
-	case ',':
-		if s.depth == 1 {
-			s.wantKey = true
-		}
-	case '{', '[':
-		s.depth++
-		s.wantKey = s.depth == 1 && c == '{'
-		s.val = valNone
-	case '}', ']':
-		s.depth--
-	default:
-		if s.val == valNext {
-			s.val = valNone
-			if c == '-' || (c >= '0' && c <= '9') {
-				s.val, s.idLong, s.gotID = valNumber, false, false
-				s.id = append(s.id[:0], c)
-			}
-		}
-	}
-}
-
-// result returns the id found, or nil.
-func (s *idScanner) result() json.RawMessage {
-	if s.val == valNumber {
-		s.gotID = !s.idLong
-	}
-	if !s.gotID || !json.Valid(s.id) {
-		return nil
-	}
-	return json.RawMessage(s.id)
+	return &overlong{size: size, id: sc.ID(), method: sc.Method()}
 }
 
 // lineWriter writes whole lines; concurrent writers never interleave.

@@ -87,7 +87,7 @@ func (w *Wrapper) fromClient(line []byte) {
 // server/discover, then requests carrying the protocol in
 // params._meta); the wrapper's own requests carry that _meta too.
 func (w *Wrapper) sessionOpen(meta json.RawMessage) {
-	if w.ownList.open(meta) {
+	if w.ownList.Open(meta) {
 		w.lister.Start(w.base)
 	}
 }
@@ -95,7 +95,7 @@ func (w *Wrapper) sessionOpen(meta json.RawMessage) {
 // noteProtocolMeta opens the session for the wrapper's listing when a
 // client request carries the 2026-07-28 protocol members in params._meta.
 func (w *Wrapper) noteProtocolMeta(msg *mcpmsg.Message) {
-	if w.ownList.ready.Load() || !msg.IsRequest() || msg.Method == "initialize" || msg.Method == "server/discover" {
+	if w.ownList.Opened() || !msg.IsRequest() || msg.Method == "initialize" || msg.Method == "server/discover" {
 		return
 	}
 	if meta := mcpmsg.ProtocolMeta(msg.Params); meta != nil {
@@ -373,7 +373,7 @@ func (w *Wrapper) settle(data []byte, relayed bool) int {
 	if msg.Method != "" || len(msg.ID) == 0 {
 		return unsettled
 	}
-	if w.ownList.deliver(msg) {
+	if w.ownList.Deliver(msg) {
 		return settledOwn
 	}
 	if p := w.takePending(msg.ID); p != nil {

@@ -147,7 +147,7 @@ type Wrapper struct {
 	tasks  tracker
 
 	// The wrapper lists the server's tools itself, for Auto.
-	ownList *ownList
+	ownList *toollist.Stdio
 	lister  *toollist.Lister
 
 	// base is the context of every deduplicated call; it ends when the
@@ -236,10 +236,9 @@ func New(o Options, argv []string, stdin io.Reader, stdout, stderr io.Writer) (*
 		router: newRouter(),
 		calls:  newCalls(),
 		lists:  newIDList(),
-
-		ownList: newOwnList(),
 	}
-	w.lister = toollist.New(toollist.Options{Hints: eng.Hints(), List: w.listTools, Logger: log, Listed: eng.ReportAnnotations})
+	w.ownList = toollist.NewStdio(func(line []byte) error { return w.childIn.writeLine(line) })
+	w.lister = toollist.New(toollist.Options{Hints: eng.Hints(), List: w.ownList.List, Logger: log, Listed: eng.ReportAnnotations})
 	return w, nil
 }
 

@@ -3,7 +3,9 @@
 // depend on a client that happens to call tools/list (many never do, and a
 // fresh replica has seen none). A Lister lists the tools at start, again
 // when the server says the list changed, and when a call names a tool no
-// listing has named; the transports supply how one listing is done.
+// listing has named. HTTP (a session of its own on the upstream) and Stdio
+// (requests in the client's session, through the wrapper) are how one
+// listing is done for each transport.
 package toollist
 
 import (

@@ -49,6 +49,7 @@ import (
 	"github.com/idemcp/idemcp/cmd/manager"
 	"github.com/idemcp/idemcp/internal/freeport"
 	"github.com/idemcp/idemcp/test/mcpserver"
+	"github.com/idemcp/idemcp/test/poll"
 )
 
 const (
@@ -755,28 +756,24 @@ func (d *demo) cleanup() {
 
 // waitFor polls cond until it succeeds, the timeout passes, or p exits.
 func waitFor(ctx context.Context, p *proc, timeout time.Duration, cond func() error) error {
-	deadline := time.Now().Add(timeout)
-	for {
+	var exited error
+	err := poll.Until(ctx, timeout, func() error {
 		err := cond()
-		if err == nil {
-			return nil
-		}
-		if p != nil {
-			select {
-			case <-p.done:
-				return fmt.Errorf("%s exited (%w); its log: %s", p.name, p.err, p.log)
-			default:
-			}
-		}
-		if time.Now().After(deadline) {
+		if err == nil || p == nil {
 			return err
 		}
 		select {
-		case <-ctx.Done():
-			return ctx.Err()
-		case <-time.After(100 * time.Millisecond):
+		case <-p.done:
+			exited = fmt.Errorf("%s exited (%w); its log: %s", p.name, p.err, p.log)
+			return nil
+		default:
+			return err
 		}
+	})
+	if exited != nil {
+		return exited
 	}
+	return err
 }
 
 func freeAddr() (string, error) {

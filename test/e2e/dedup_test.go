@@ -19,6 +19,7 @@ import (
 	"github.com/idemcp/idemcp/sidecar/mcpmsg"
 	"github.com/idemcp/idemcp/sidecar/toollist"
 	"github.com/idemcp/idemcp/test/mcpserver"
+	"github.com/idemcp/idemcp/test/poll"
 )
 
 var card = map[string]any{"card": "4242", "amount": 12.5}
@@ -135,7 +136,7 @@ func TestClientCancelsThenRetries(t *testing.T) {
 		// again: this is what the sidecar prevents.
 		direct := h.connect(t, h.upstream.URL, clientOpts{})
 		timeoutThenRetry(direct)
-		waitFor(t, func() bool { return h.srv.Counts.Get(mcpserver.Cancelled) == 1 }, "the direct cancel to reach the tool")
+		poll.Within(t, 5*time.Second, "the direct cancel to reach the tool", poll.True(func() bool { return h.srv.Counts.Get(mcpserver.Cancelled) == 1 }))
 		before := h.srv.Counts.Get("charge_card")
 
 		cs := h.connect(t, h.proxy.URL, clientOpts{})
@@ -217,7 +218,7 @@ func TestProgressAndElicitationPassThrough(t *testing.T) {
 				t.Fatalf("calling confirm_transfer via %s: %v", url, err)
 			}
 			// Progress notifications may trail the response by a moment.
-			waitFor(t, func() bool { mu.Lock(); defer mu.Unlock(); return progress >= 3 }, "3 progress notifications")
+			poll.Within(t, 5*time.Second, "3 progress notifications", poll.True(func() bool { mu.Lock(); defer mu.Unlock(); return progress >= 3 }))
 			mu.Lock()
 			defer mu.Unlock()
 			text := res.Content[0].(*mcp.TextContent).Text
@@ -430,17 +431,6 @@ func TestInFlightReject(t *testing.T) {
 			t.Error("after completion the retry was not replayed")
 		}
 	})
-}
-
-func waitFor(t *testing.T, cond func() bool, what string) {
-	t.Helper()
-	deadline := time.Now().Add(5 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
 }
 
 func remarshal(t *testing.T, in, out any) {

@@ -7,10 +7,8 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"net/http/httptest"
-	"os/exec"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -21,6 +19,7 @@ import (
 
 	"github.com/idemcp/idemcp/internal/freeport"
 	"github.com/idemcp/idemcp/sidecar/mcpmsg"
+	"github.com/idemcp/idemcp/test/procs"
 )
 
 // hostileSSE is a stateless Streamable HTTP server that answers every
@@ -85,37 +84,26 @@ func (h *hostileSSE) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 
 // startSidecarBinary runs the built idemcp sidecar in front of upstream;
 // its stderr collects while it runs.
-func startSidecarBinary(t *testing.T, upstream string) (string, *exec.Cmd, *lockedBuffer) {
+func startSidecarBinary(t *testing.T, upstream string) (string, *procs.Process, *lockedBuffer) {
 	t.Helper()
 	bins := buildWrapBins(t)
 	addr := freeport.Loopback(t)
 	var stderr lockedBuffer
-	cmd := exec.Command(bins.idemcp, "sidecar", "--listen", addr, "--upstream", upstream, "--admin-listen", "", "--log-level", "error")
-	cmd.Stderr = &stderr
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
+	p := procs.New(procs.Spec{
+		Name: "the sidecar", Path: bins.idemcp,
+		Args:   []string{"sidecar", "--listen", addr, "--upstream", upstream, "--admin-listen", "", "--log-level", "error"},
+		Stderr: &stderr, Ready: procs.Listening(addr),
+	})
+	if err := p.Start(); err != nil {
+		t.Fatalf("%v: %s", err, stderr.String())
 	}
-	exited := make(chan struct{})
-	go func() { _ = cmd.Wait(); close(exited) }()
 	t.Cleanup(func() {
-		_ = cmd.Process.Kill()
-		<-exited
+		p.Kill()
 		if t.Failed() {
 			t.Logf("sidecar stderr:\n%s", stderr.String())
 		}
 	})
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		if c, err := net.Dial("tcp", addr); err == nil {
-			_ = c.Close()
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("the sidecar did not listen on %s: %s", addr, stderr.String())
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-	return "http://" + addr, cmd, &stderr
+	return "http://" + addr, p, &stderr
 }
 
 // rawCall sends one tools/call with id and returns the response's raw id
@@ -197,7 +185,7 @@ func TestHostileSSEFramingRunsOnceAndAnswersEveryID(t *testing.T) {
 			srv := &hostileSSE{nl: v.nl, finalBlank: v.finalBlank, gzip: v.gzip}
 			up := httptest.NewServer(srv)
 			t.Cleanup(up.Close)
-			base, cmd, _ := startSidecarBinary(t, up.URL)
+			base, sidecar, _ := startSidecarBinary(t, up.URL)
 
 			// Control: the server alone runs every retry.
 			for _, id := range hostileIDs[:3] {
@@ -265,8 +253,10 @@ func TestHostileSSEFramingRunsOnceAndAnswersEveryID(t *testing.T) {
 					}
 				}
 			}
-			if cmd.ProcessState != nil {
-				t.Fatalf("the sidecar exited: %v", cmd.ProcessState)
+			select {
+			case <-sidecar.Exited():
+				t.Fatal("the sidecar exited")
+			default:
 			}
 		})
 	}

@@ -13,6 +13,7 @@ import (
 	"github.com/modelcontextprotocol/go-sdk/mcp"
 
 	"github.com/idemcp/idemcp/test/mcpserver"
+	"github.com/idemcp/idemcp/test/poll"
 )
 
 // legacyHarness is the counting server behind the Go SDK's legacy
@@ -242,5 +243,5 @@ func TestLegacySSEClientLeavesMidCall(t *testing.T) {
 	}
 	// The held upstream stream is let go once the response is in: only
 	// the reconnected client's stream stays open.
-	waitFor(t, func() bool { return h.streams.Load() == 1 }, fmt.Sprintf("the left session's upstream stream to close (%d open)", h.streams.Load()))
+	poll.Within(t, 5*time.Second, fmt.Sprintf("the left session's upstream stream to close (%d open)", h.streams.Load()), poll.True(func() bool { return h.streams.Load() == 1 }))
 }

@@ -8,9 +8,9 @@ import (
 	"net"
 	"net/http"
 	"os"
-	"os/exec"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -18,6 +18,7 @@ import (
 	goredis "github.com/redis/go-redis/v9"
 
 	"github.com/idemcp/idemcp/sidecar/store/redis/redistest"
+	"github.com/idemcp/idemcp/test/procs"
 )
 
 // Distinctive strings a caller sends that must never be kept or shown:
@@ -39,34 +40,34 @@ func startSidecarProc(t *testing.T, upstream string, args ...string) *sidecarPro
 	t.Helper()
 	bins := buildWrapBins(t)
 	addr, admin := freeAddr(t), freeAddr(t)
-	cmd := exec.Command(bins.idemcp, append([]string{"sidecar", "--listen", addr, "--admin-listen", admin,
-		"--upstream", upstream, "--log-level", "debug"}, args...)...)
-	cmd.Env = append(os.Environ(), "GORACE="+strings.TrimSpace(os.Getenv("GORACE")+" atexit_sleep_ms=0"))
 	p := &sidecarProc{url: "http://" + addr, admin: admin, stderr: &lockedBuffer{}}
-	cmd.Stderr = p.stderr
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
+	proc := procs.New(procs.Spec{
+		Name: "the sidecar", Path: bins.idemcp,
+		Args: append([]string{"sidecar", "--listen", addr, "--admin-listen", admin,
+			"--upstream", upstream, "--log-level", "debug"}, args...),
+		Env:    append(os.Environ(), "GORACE="+strings.TrimSpace(os.Getenv("GORACE")+" atexit_sleep_ms=0")),
+		Stderr: p.stderr,
+		Ready: func() error {
+			resp, err := http.Get("http://" + admin + "/healthz")
+			if err == nil {
+				_ = resp.Body.Close()
+			}
+			return err
+		},
+		ReadyTimeout: 20 * time.Second,
+		StopSignal:   syscall.SIGINT,
+	})
+	if err := proc.Start(); err != nil {
+		t.Fatalf("the sidecar never answered /healthz on %s: %v\n%s", admin, err, p.stderr.String())
 	}
-	p.pid = cmd.Process.Pid
+	p.pid = proc.PID()
 	t.Cleanup(func() {
-		_ = cmd.Process.Signal(os.Interrupt)
-		_ = cmd.Wait()
+		proc.Stop()
 		if t.Failed() {
 			t.Logf("idemcp sidecar stderr:\n%s", p.stderr.String())
 		}
 	})
-	deadline := time.Now().Add(20 * time.Second)
-	for {
-		resp, err := http.Get("http://" + admin + "/healthz")
-		if err == nil {
-			_ = resp.Body.Close()
-			return p
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("the sidecar never answered /healthz on %s: %v\n%s", admin, err, p.stderr.String())
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+	return p
 }
 
 // Principal isolation over Streamable HTTP, JSON and SSE responses, through
@@ -230,23 +231,17 @@ func startSidecarProcNoAdmin(t *testing.T, upstream string) int {
 	t.Helper()
 	bins := buildWrapBins(t)
 	addr := freeAddr(t)
-	cmd := exec.Command(bins.idemcp, "sidecar", "--listen", addr, "--admin-listen", "", "--upstream", upstream, "--store", "memory", "--log-level", "error")
-	cmd.Env = append(os.Environ(), "GORACE="+strings.TrimSpace(os.Getenv("GORACE")+" atexit_sleep_ms=0"))
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
+	proc := procs.New(procs.Spec{
+		Name: "the sidecar", Path: bins.idemcp,
+		Args:  []string{"sidecar", "--listen", addr, "--admin-listen", "", "--upstream", upstream, "--store", "memory", "--log-level", "error"},
+		Env:   append(os.Environ(), "GORACE="+strings.TrimSpace(os.Getenv("GORACE")+" atexit_sleep_ms=0")),
+		Ready: procs.Listening(addr), ReadyTimeout: 20 * time.Second, StopSignal: syscall.SIGINT,
+	})
+	if err := proc.Start(); err != nil {
+		t.Fatalf("the sidecar never listened on %s: %v", addr, err)
 	}
-	t.Cleanup(func() { _ = cmd.Process.Signal(os.Interrupt); _ = cmd.Wait() })
-	deadline := time.Now().Add(20 * time.Second)
-	for {
-		if c, err := net.Dial("tcp", addr); err == nil {
-			_ = c.Close()
-			return cmd.Process.Pid
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("the sidecar never listened on %s", addr)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+	t.Cleanup(proc.Stop)
+	return proc.PID()
 }
 
 // listeningSockets lists the TCP addresses process pid listens on, from

@@ -22,6 +22,7 @@ import (
 	"github.com/idemcp/idemcp/sidecar/store/postgres/pgtest"
 	"github.com/idemcp/idemcp/sidecar/store/redis/redistest"
 	"github.com/idemcp/idemcp/test/mcpserver"
+	"github.com/idemcp/idemcp/test/poll"
 )
 
 // sharedStore is a store that several sidecars share; the tests that are
@@ -256,12 +257,12 @@ func testStoreOutage(t *testing.T, st *sharedStore, mode string) {
 	// The store comes back: dedup resumes without a restart.
 	st.Start()
 	args := map[string]any{"card": "3", "amount": 3}
-	waitFor(t, func() bool {
+	poll.Within(t, 5*time.Second, "calls to succeed after the store is back", poll.True(func() bool {
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		defer cancel()
 		_, err := call(ctx, cs, "charge_card", args, nil)
 		return err == nil
-	}, "calls to succeed after the store is back")
+	}))
 	n := f.srv.Counts.Get("charge_card")
 	if res := mustCall(t, cs, "charge_card", args, nil); !replayed(res) {
 		t.Error("after the store came back the retry was not replayed")
@@ -304,13 +305,13 @@ func testSidecarKilledMidCall(t *testing.T, bin string, st *sharedStore, onAband
 		t.Fatal(err)
 	}
 	defer func() { _ = cmd.Process.Kill(); _ = cmd.Wait() }()
-	waitFor(t, func() bool {
+	poll.Within(t, 5*time.Second, "the sidecar process to listen", poll.True(func() bool {
 		c, err := net.Dial("tcp", addr)
 		if err == nil {
 			_ = c.Close()
 		}
 		return err == nil
-	}, "the sidecar process to listen")
+	}))
 
 	alice := http.Header{"Authorization": {"Bearer alice"}}
 	doomed := f.connect(t, "http://"+addr, clientOpts{headers: alice})
@@ -318,7 +319,7 @@ func testSidecarKilledMidCall(t *testing.T, bin string, st *sharedStore, onAband
 	posts := f.posts.Load()
 	go func() { _, _ = call(context.Background(), doomed, "charge_card", args, nil) }()
 	// Kill it once the call runs upstream (claimed, then forwarded).
-	waitFor(t, func() bool { return f.posts.Load() > posts }, "the call to reach the server")
+	poll.Within(t, 5*time.Second, "the call to reach the server", poll.True(func() bool { return f.posts.Load() > posts }))
 	time.Sleep(100 * time.Millisecond)
 	if err := cmd.Process.Kill(); err != nil {
 		t.Fatal(err)

@@ -2,38 +2,21 @@ package e2e_test
 
 import (
 	"fmt"
-	"os/exec"
-	"path/filepath"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/idemcp/idemcp/sidecar/mcpmsg"
+	"github.com/idemcp/idemcp/test/procs"
 )
-
-var hostileBuild struct {
-	once sync.Once
-	path string
-	err  error
-}
 
 // hostileBins is the wrap test binaries with test/mcpserver/cmd/hostilestdio
 // as the server.
 func hostileBins(t *testing.T) wrapBins {
 	t.Helper()
 	bins := buildWrapBins(t)
-	hostileBuild.once.Do(func() {
-		hostileBuild.path = filepath.Join(filepath.Dir(bins.idemcp), "hostilestdio")
-		out, err := exec.Command("go", "build", "-o", hostileBuild.path, "github.com/idemcp/idemcp/test/mcpserver/cmd/hostilestdio").CombinedOutput()
-		if err != nil {
-			hostileBuild.err = fmt.Errorf("%w: %s", err, out)
-		}
-	})
-	if hostileBuild.err != nil {
-		t.Fatalf("building hostilestdio: %v", hostileBuild.err)
-	}
-	return wrapBins{idemcp: bins.idemcp, server: hostileBuild.path}
+	// Built without -race, as before: it is the server, not the code under test.
+	return wrapBins{idemcp: bins.idemcp, server: procs.Build(t, "github.com/idemcp/idemcp/test/mcpserver/cmd/hostilestdio")}
 }
 
 // TestWrapHostileAnswersNeverHang: a server that answers a deduplicated

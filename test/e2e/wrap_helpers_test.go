@@ -16,23 +16,17 @@ import (
 	"time"
 
 	"github.com/modelcontextprotocol/go-sdk/mcp"
+
+	"github.com/idemcp/idemcp/test/procs"
 )
 
 // The wrap tests run real processes: the idemcp binary and a stdio MCP
 // server (test/mcpserver/cmd/stdioserver), built once per test run. When
 // the tests run with -race the binaries are built with it too, so a race in
 // the wrapper fails its exit code.
-var wrapBuild struct {
-	once sync.Once
-	dir  string
-	err  error
-}
-
 func TestMain(m *testing.M) {
 	code := m.Run()
-	if wrapBuild.dir != "" {
-		_ = os.RemoveAll(wrapBuild.dir)
-	}
+	procs.Cleanup()
 	os.Exit(code)
 }
 
@@ -41,39 +35,19 @@ type wrapBins struct {
 	server string // the Go SDK stdio server
 }
 
+// buildFlags are the go build flags of the binaries the tests run.
+func buildFlags() []string {
+	if raceEnabled {
+		return []string{"-race"}
+	}
+	return nil
+}
+
 func buildWrapBins(t *testing.T) wrapBins {
 	t.Helper()
-	wrapBuild.once.Do(func() {
-		goBin, err := exec.LookPath("go")
-		if err != nil {
-			wrapBuild.err = err
-			return
-		}
-		if wrapBuild.dir, err = os.MkdirTemp("", "idemcp-e2e-bin-"); err != nil {
-			wrapBuild.err = err
-			return
-		}
-		for name, pkg := range map[string]string{
-			"idemcp":      "github.com/idemcp/idemcp",
-			"stdioserver": "github.com/idemcp/idemcp/test/mcpserver/cmd/stdioserver",
-		} {
-			args := []string{"build", "-o", filepath.Join(wrapBuild.dir, name)}
-			if raceEnabled {
-				args = append(args, "-race")
-			}
-			out, err := exec.Command(goBin, append(args, pkg)...).CombinedOutput()
-			if err != nil {
-				wrapBuild.err = errors.Join(err, errors.New(string(out)))
-				return
-			}
-		}
-	})
-	if wrapBuild.err != nil {
-		t.Fatalf("building the wrap test binaries: %v", wrapBuild.err)
-	}
 	return wrapBins{
-		idemcp: filepath.Join(wrapBuild.dir, "idemcp"),
-		server: filepath.Join(wrapBuild.dir, "stdioserver"),
+		idemcp: procs.Build(t, "github.com/idemcp/idemcp", buildFlags()...),
+		server: procs.Build(t, "github.com/idemcp/idemcp/test/mcpserver/cmd/stdioserver", buildFlags()...),
 	}
 }
 

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"os"
 	"testing"
-	"time"
 
 	"go.uber.org/zap/zapcore"
 	"k8s.io/client-go/rest"
@@ -14,13 +13,19 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/envtest"
 	"sigs.k8s.io/controller-runtime/pkg/log/zap"
 
+	"github.com/idemcp/idemcp/test/poll"
 	"github.com/idemcp/idemcp/test/testdeps"
 )
 
 // Available reports whether the envtest binaries are there. When they are
 // not, a test binary under CI=true exits 1 (a missing dependency is a
-// failure there), and elsewhere the caller decides to skip.
+// failure there), and elsewhere the caller decides to skip. Under -short
+// (make test-unit) it is false.
 func Available() bool {
+	if testdeps.Short() {
+		fmt.Fprintln(os.Stderr, "skipping the envtest tests under -short (make test-unit); make test runs them")
+		return false
+	}
 	if os.Getenv("KUBEBUILDER_ASSETS") != "" {
 		return true
 	}
@@ -50,16 +55,8 @@ func Run(env *envtest.Environment, body func(cfg *rest.Config) int) int {
 	return body(cfg)
 }
 
-// Eventually polls cond until it returns nil, or fails with its last error.
+// Eventually is poll.Eventually, here for the envtest suites' call sites.
 func Eventually(t testing.TB, what string, cond func() error) {
 	t.Helper()
-	deadline := time.Now().Add(20 * time.Second)
-	var err error
-	for time.Now().Before(deadline) {
-		if err = cond(); err == nil {
-			return
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
-	t.Fatalf("timed out waiting for %s: %v", what, err)
+	poll.Eventually(t, what, cond)
 }

@@ -1,7 +1,13 @@
-// Package procs runs the idemcp binary as real processes for tests that
-// need them (chaos, load, soak): one build per test binary, and sidecars
-// that can be SIGKILLed and started again on the same addresses, whose
-// metrics and memory the tests read.
+// Package procs supervises the real processes the tests run, one way for
+// all of them: redis-server (through redistest), PostgreSQL and PgBouncer
+// (through pgtest), the idemcp binary and MCP servers. A Process dies with
+// the test binary, is started and waited for until it serves, stopped as a
+// crash would stop it, and started again with the same arguments. Build
+// builds a main package once per test binary; Sidecar is an `idemcp
+// sidecar` process whose metrics and memory the tests read.
+//
+// Under go test -short (make test-unit) a test that builds a binary is
+// skipped; make test runs it.
 package procs
 
 import (
@@ -12,6 +18,7 @@ import (
 	"net/http"
 	"os"
 	"os/exec"
+	"path"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -20,12 +27,18 @@ import (
 	"time"
 
 	"github.com/idemcp/idemcp/internal/freeport"
+	"github.com/idemcp/idemcp/test/testdeps"
 )
 
-var build struct {
-	once sync.Once
+var builds struct {
+	mu   sync.Mutex
 	dir  string
-	bin  string
+	bins map[string]*built
+}
+
+type built struct {
+	once sync.Once
+	path string
 	err  error
 }
 
@@ -33,32 +46,77 @@ var build struct {
 // path. Call Cleanup from TestMain to remove it.
 func Binary(tb testing.TB) string {
 	tb.Helper()
-	build.once.Do(func() {
-		goBin, err := exec.LookPath("go")
-		if err != nil {
-			build.err = err
-			return
-		}
-		if build.dir, err = os.MkdirTemp("", "idemcp-procs-bin-"); err != nil {
-			build.err = err
-			return
-		}
-		build.bin = filepath.Join(build.dir, "idemcp")
-		out, err := exec.Command(goBin, "build", "-o", build.bin, "github.com/idemcp/idemcp").CombinedOutput()
-		if err != nil {
-			build.err = errors.Join(err, errors.New(string(out)))
-		}
-	})
-	if build.err != nil {
-		tb.Fatalf("building idemcp: %v", build.err)
-	}
-	return build.bin
+	return Build(tb, "github.com/idemcp/idemcp")
 }
 
-// Cleanup removes the binary Binary built.
+// Build builds the main package pkg once per test binary, with the extra
+// go build flags, and returns its path; the same pkg and flags share one
+// build. Call Cleanup from TestMain to remove what it built.
+func Build(tb testing.TB, pkg string, flags ...string) string {
+	tb.Helper()
+	testdeps.Real(tb, "builds and runs "+path.Base(pkg))
+	key := strings.Join(append([]string{pkg}, flags...), " ")
+	builds.mu.Lock()
+	if builds.bins == nil {
+		builds.bins = map[string]*built{}
+	}
+	b := builds.bins[key]
+	if b == nil {
+		b = &built{}
+		builds.bins[key] = b
+	}
+	builds.mu.Unlock()
+	b.once.Do(func() {
+		goBin, err := exec.LookPath("go")
+		if err != nil {
+			b.err = err
+			return
+		}
+		builds.mu.Lock()
+		if builds.dir == "" {
+			builds.dir, err = os.MkdirTemp("", "idemcp-procs-bin-")
+		}
+		dir := builds.dir
+		builds.mu.Unlock()
+		if err != nil {
+			b.err = err
+			return
+		}
+		// One directory a build keeps the program's own name.
+		sub, err := os.MkdirTemp(dir, "build-")
+		if err != nil {
+			b.err = err
+			return
+		}
+		b.path = filepath.Join(sub, path.Base(pkg))
+		args := append(append([]string{"build", "-o", b.path}, flags...), pkg)
+		if out, err := exec.Command(goBin, args...).CombinedOutput(); err != nil {
+			b.err = errors.Join(err, errors.New(string(out)))
+		}
+	})
+	if b.err != nil {
+		tb.Fatalf("building %s: %v", pkg, b.err)
+	}
+	return b.path
+}
+
+// Cleanup removes the binaries Build built.
 func Cleanup() {
-	if build.dir != "" {
-		_ = os.RemoveAll(build.dir)
+	builds.mu.Lock()
+	defer builds.mu.Unlock()
+	if builds.dir != "" {
+		_ = os.RemoveAll(builds.dir)
+	}
+}
+
+// Listening is a Ready check: addr accepts TCP connections.
+func Listening(addr string) func() error {
+	return func() error {
+		c, err := net.DialTimeout("tcp", addr, time.Second)
+		if err == nil {
+			_ = c.Close()
+		}
+		return err
 	}
 }
 
@@ -70,14 +128,9 @@ type Sidecar struct {
 	Addr  string
 	Admin string
 
-	tb     testing.TB
-	bin    string
-	args   []string
-	env    []string
-	mu     sync.Mutex
-	cmd    *exec.Cmd
-	exited chan struct{}
-	stderr *os.File
+	tb   testing.TB
+	log  string
+	proc *Process
 }
 
 // StartSidecar runs `idemcp sidecar` with args after the listen flags it
@@ -85,69 +138,32 @@ type Sidecar struct {
 // ends.
 func StartSidecar(tb testing.TB, bin string, env []string, args ...string) *Sidecar {
 	tb.Helper()
-	p := &Sidecar{tb: tb, bin: bin, env: env, Addr: FreeAddr(tb), Admin: FreeAddr(tb)}
-	p.args = append([]string{"sidecar", "--listen", p.Addr, "--admin-listen", p.Admin, "--log-level", "error"}, args...)
-	f, err := os.Create(filepath.Join(tb.TempDir(), "sidecar.log"))
-	if err != nil {
-		tb.Fatal(err)
-	}
-	p.stderr = f
+	p := &Sidecar{tb: tb, Addr: FreeAddr(tb), Admin: FreeAddr(tb), log: filepath.Join(tb.TempDir(), "sidecar.log")}
+	p.proc = New(Spec{
+		Name:  "the sidecar",
+		Path:  bin,
+		Args:  append([]string{"sidecar", "--listen", p.Addr, "--admin-listen", p.Admin, "--log-level", "error"}, args...),
+		Env:   append(os.Environ(), env...),
+		Log:   p.log,
+		Ready: Listening(p.Addr),
+	})
 	p.Start()
 	tb.Cleanup(p.Kill)
 	return p
 }
 
 // Log is the path of the file the process writes its stderr to.
-func (p *Sidecar) Log() string { return p.stderr.Name() }
+func (p *Sidecar) Log() string { return p.log }
 
 // Start runs the process and waits until it accepts connections.
 func (p *Sidecar) Start() {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if p.cmd != nil {
-		return
+	if err := p.proc.Start(); err != nil {
+		p.tb.Errorf("starting the sidecar on %s: %v (its log: %s)", p.Addr, err, p.log)
 	}
-	cmd := exec.Command(p.bin, p.args...)
-	cmd.Env = append(os.Environ(), p.env...)
-	cmd.Stderr = p.stderr
-	if err := cmd.Start(); err != nil {
-		p.tb.Errorf("starting the sidecar: %v", err)
-		return
-	}
-	exited := make(chan struct{})
-	go func() { _ = cmd.Wait(); close(exited) }()
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		c, err := net.Dial("tcp", p.Addr)
-		if err == nil {
-			_ = c.Close()
-			break
-		}
-		select {
-		case <-exited:
-			p.tb.Errorf("the sidecar exited at start; see %s", p.stderr.Name())
-			return
-		case <-time.After(20 * time.Millisecond):
-		}
-		if time.Now().After(deadline) {
-			p.tb.Errorf("the sidecar did not listen on %s within 10s", p.Addr)
-			return
-		}
-	}
-	p.cmd, p.exited = cmd, exited
 }
 
 // Kill ends the process with SIGKILL, as an OOM kill or a lost node would.
-func (p *Sidecar) Kill() {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if p.cmd == nil {
-		return
-	}
-	_ = p.cmd.Process.Kill()
-	<-p.exited
-	p.cmd, p.exited = nil, nil
-}
+func (p *Sidecar) Kill() { p.proc.Kill() }
 
 // metricsClient keeps no connections, so none outlives a reading.
 var metricsClient = &http.Client{Transport: &http.Transport{DisableKeepAlives: true}, Timeout: 5 * time.Second}
@@ -172,13 +188,11 @@ func (p *Sidecar) Metric(name string) (float64, error) {
 
 // RSS is the process's resident set in bytes, from /proc (Linux).
 func (p *Sidecar) RSS() (float64, error) {
-	p.mu.Lock()
-	cmd := p.cmd
-	p.mu.Unlock()
-	if cmd == nil {
+	pid := p.proc.PID()
+	if pid == 0 {
 		return 0, errors.New("the sidecar is not running")
 	}
-	return RSS(cmd.Process.Pid)
+	return RSS(pid)
 }
 
 // RSS reads VmRSS of process pid from /proc, in bytes.

@@ -11,6 +11,7 @@ import (
 
 	"github.com/idemcp/idemcp/api/v1alpha1"
 	"github.com/idemcp/idemcp/cmd/manager"
+	"github.com/idemcp/idemcp/test/poll"
 )
 
 // tokenReviews reads idemcp_policy_stream_token_reviews_total{result}.
@@ -46,7 +47,7 @@ func TestTokenReviewsAreCached(t *testing.T) {
 	createPolicy(t, ns, name, spec)
 	hash := hashOf(t, spec)
 	_, token := createPod(t, ns, "mcp-0", name)
-	waitFor(t, "the leader to serve", func() error {
+	poll.Within(t, 15*time.Second, "the leader to serve", func() error {
 		if code, body := rawStream(t, endpoint, ns, name, token); code != http.StatusOK || !strings.Contains(body, hash) {
 			return fmt.Errorf("got %d %q", code, body)
 		}
@@ -93,7 +94,7 @@ func TestTokenReviewsLimitedAndStreamsCapped(t *testing.T) {
 	hash := hashOf(t, spec)
 	first, firstToken := createPod(t, ns, "mcp-0", name)
 	_, secondToken := createPod(t, ns, "mcp-1", name)
-	waitFor(t, "the leader to serve", func() error {
+	poll.Within(t, 15*time.Second, "the leader to serve", func() error {
 		if code, body := rawStream(t, endpoint, ns, name, firstToken); code != http.StatusOK || !strings.Contains(body, hash) {
 			return fmt.Errorf("got %d %q", code, body)
 		}
@@ -111,7 +112,7 @@ func TestTokenReviewsLimitedAndStreamsCapped(t *testing.T) {
 
 	// One sidecar holds the only stream; the next caller is refused.
 	s := startSidecarClient(t, endpoint, ns, name, first.Name, firstToken, compiled(t, ns, name, spec))
-	waitFor(t, "the sidecar to connect", func() error {
+	poll.Within(t, 15*time.Second, "the sidecar to connect", func() error {
 		if !s.client.Connected() {
 			return fmt.Errorf("not connected")
 		}

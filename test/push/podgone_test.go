@@ -15,6 +15,7 @@ import (
 
 	"github.com/idemcp/idemcp/api/v1alpha1"
 	"github.com/idemcp/idemcp/internal/policywire"
+	"github.com/idemcp/idemcp/test/poll"
 )
 
 // TestDeletedPodStreamEnds: the stream of a pod that is deleted ends, as
@@ -29,7 +30,7 @@ func TestDeletedPodStreamEnds(t *testing.T) {
 	createPolicy(t, ns, name, spec)
 	hash := hashOf(t, spec)
 	pod, token := createPod(t, ns, "mcp-0", name)
-	waitFor(t, "the leader to serve", func() error {
+	poll.Within(t, 15*time.Second, "the leader to serve", func() error {
 		if code, body := rawStream(t, endpoint, ns, name, token); code != http.StatusOK || !strings.Contains(body, hash) {
 			return fmt.Errorf("the pod's own token got %d %q", code, body)
 		}
@@ -60,7 +61,7 @@ func TestDeletedPodStreamEnds(t *testing.T) {
 	if err := k8s.Delete(context.Background(), pod, client.GracePeriodSeconds(0)); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "the deleted pod's token to be refused on a new stream", func() error {
+	poll.Within(t, 15*time.Second, "the deleted pod's token to be refused on a new stream", func() error {
 		if code, _ := rawStream(t, endpoint, ns, name, token); code == http.StatusOK {
 			return fmt.Errorf("got %d", code)
 		}

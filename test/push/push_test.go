@@ -18,6 +18,7 @@ import (
 
 	"github.com/idemcp/idemcp/api/v1alpha1"
 	"github.com/idemcp/idemcp/cmd/manager"
+	"github.com/idemcp/idemcp/test/poll"
 )
 
 func memorySpec(defaultMode v1alpha1.ToolMode) v1alpha1.IdempotencyPolicySpec {
@@ -100,7 +101,7 @@ func TestRefusedCallersReceiveNothing(t *testing.T) {
 	// The control: the right caller gets the policy, and a token re-signed
 	// with a later expiry still works, so the expired one below is refused
 	// for its expiry alone.
-	waitFor(t, "the leader to serve", func() error {
+	poll.Within(t, 15*time.Second, "the leader to serve", func() error {
 		code, body := rawStream(t, endpoint, ns, name, goodToken)
 		if code != http.StatusOK || !strings.Contains(body, hash) {
 			return fmt.Errorf("the pod's own token got %d %q", code, body)
@@ -137,7 +138,7 @@ func TestRefusedCallersReceiveNothing(t *testing.T) {
 	if err := k8s.Delete(context.Background(), good, client.GracePeriodSeconds(0)); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "the deleted pod's token to be refused", func() error {
+	poll.Within(t, 15*time.Second, "the deleted pod's token to be refused", func() error {
 		if code, body := rawStream(t, endpoint, ns, name, goodToken); code == http.StatusOK || strings.Contains(body, hash) {
 			return fmt.Errorf("got %d %q", code, body)
 		}
@@ -222,7 +223,7 @@ func TestManagerAwayAndFailover(t *testing.T) {
 
 	a2.stop()
 	failover := time.Now()
-	waitFor(t, "b to take the lead", func() error {
+	poll.Within(t, 15*time.Second, "b to take the lead", func() error {
 		if !b.leading() {
 			return fmt.Errorf("b does not lead")
 		}
@@ -230,7 +231,7 @@ func TestManagerAwayAndFailover(t *testing.T) {
 	})
 	// No acknowledgement is lost: b learns from each sidecar's first
 	// report what it enforces, before any new snapshot.
-	waitFor(t, "every sidecar to reach b", func() error {
+	poll.Within(t, 15*time.Second, "every sidecar to reach b", func() error {
 		if c, s := b.stream.Streams(ns, name); c != n || s != n {
 			return fmt.Errorf("b holds %d streams, %d synced", c, s)
 		}
@@ -301,21 +302,6 @@ func TestStoreChangeRequiresRestart(t *testing.T) {
 		startSidecarClient(t, endpoint, ns, name, pod.Name, token, newStart)
 	}
 	waitStatus(t, ns, name, 10*time.Second, synced(n, hash))
-}
-
-func waitFor(t testing.TB, what string, cond func() error) {
-	t.Helper()
-	deadline := time.Now().Add(15 * time.Second)
-	for {
-		err := cond()
-		if err == nil {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("waiting for %s: %v", what, err)
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
 }
 
 // front stands for the stream's Service: it forwards each connection to

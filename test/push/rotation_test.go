@@ -18,6 +18,7 @@ import (
 	"github.com/idemcp/idemcp/api/v1alpha1"
 	"github.com/idemcp/idemcp/cmd/manager"
 	"github.com/idemcp/idemcp/controllers/policystream"
+	"github.com/idemcp/idemcp/test/poll"
 	"github.com/idemcp/idemcp/webhook/certs"
 )
 
@@ -65,7 +66,7 @@ func TestOldBundleSidecarReconnectsAcrossCARotation(t *testing.T) {
 	createPolicy(t, ns, name, spec)
 	pod, token := createPod(t, ns, "mcp-0", name)
 	s := startSidecarClientWithCA(t, oldBundle, endpoint, ns, name, pod.Name, token, compiled(t, ns, name, spec))
-	waitFor(t, "the sidecar to connect", func() error {
+	poll.Within(t, 15*time.Second, "the sidecar to connect", func() error {
 		if !s.client.Connected() {
 			return errors.New("not connected")
 		}
@@ -115,7 +116,7 @@ func TestOldBundleSidecarReconnectsAcrossCARotation(t *testing.T) {
 		t.Fatalf("dialling with the old bundle: %v, want an unknown authority", err)
 	}
 
-	waitFor(t, "the sidecar to reconnect", func() error {
+	poll.Within(t, 15*time.Second, "the sidecar to reconnect", func() error {
 		if !s.client.Connected() || s.client.Sessions() < 2 {
 			return fmt.Errorf("connected %v after %d streams", s.client.Connected(), s.client.Sessions())
 		}

@@ -39,6 +39,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client/config"
 
 	"github.com/idemcp/idemcp/api/v1alpha1"
+	"github.com/idemcp/idemcp/test/poll"
 	"github.com/idemcp/idemcp/test/testdeps"
 	"github.com/idemcp/idemcp/webhook"
 )
@@ -144,22 +145,6 @@ func (s *suite) needNode(t *testing.T) {
 	}
 }
 
-// eventually retries f every 200ms until it succeeds or within passes.
-func eventually(t *testing.T, within time.Duration, what string, f func() error) {
-	t.Helper()
-	deadline := time.Now().Add(within)
-	var err error
-	for {
-		if err = f(); err == nil {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("%s: not within %s: %v", what, within, err)
-		}
-		time.Sleep(200 * time.Millisecond)
-	}
-}
-
 func (s *suite) run(t *testing.T, args ...string) string {
 	t.Helper()
 	out, err := exec.CommandContext(s.ctx, s.kubectl, args...).CombinedOutput()
@@ -226,7 +211,7 @@ func (s *suite) setup(t *testing.T) {
 		t.Fatal(err)
 	}
 	// The managed Redis first: the sidecars need it to start serving.
-	eventually(t, 4*time.Minute, "StoreReady", func() error {
+	poll.Within(t, 4*time.Minute, "StoreReady", func() error {
 		return s.condition(v1alpha1.ConditionStoreReady, metav1.ConditionTrue)
 	})
 	labels := map[string]string{"app": appName}
@@ -276,7 +261,7 @@ func (s *suite) setup(t *testing.T) {
 func (s *suite) readyPods(t *testing.T, n int) []corev1.Pod {
 	t.Helper()
 	var pods []corev1.Pod
-	eventually(t, 4*time.Minute, fmt.Sprintf("%d Ready pods of %s", n, appName), func() error {
+	poll.Within(t, 4*time.Minute, fmt.Sprintf("%d Ready pods of %s", n, appName), func() error {
 		var l corev1.PodList
 		if err := s.k8s.List(s.ctx, &l, client.InNamespace(s.ns), client.MatchingLabels{"app": appName}); err != nil {
 			return err
@@ -515,7 +500,7 @@ func (s *suite) dedupThroughService(t *testing.T) {
 	pods := s.readyPods(t, 2)
 	// kube-proxy routes to both pods once it has seen both endpoints:
 	// Passthrough calls (refund, not deduplicated yet) until both answered.
-	eventually(t, time.Minute, "the Service routes to both pods", func() error {
+	poll.Within(t, time.Minute, "the Service routes to both pods", func() error {
 		if _, err := call(s.ctx, s.svcURL, "refund", map[string]any{"card": "1", "amount": 1}); err != nil {
 			return err
 		}
@@ -550,7 +535,7 @@ func (s *suite) dedupThroughService(t *testing.T) {
 }
 
 func (s *suite) policyStatus(t *testing.T) {
-	eventually(t, 2*time.Minute, "Synced 2/2 and Ready", func() error {
+	poll.Within(t, 2*time.Minute, "Synced 2/2 and Ready", func() error {
 		p, err := s.getPolicy()
 		if err != nil {
 			return err
@@ -603,7 +588,7 @@ func (s *suite) livePolicyChange(t *testing.T) {
 		t.Fatal(err)
 	}
 	var took time.Duration
-	eventually(t, time.Minute, "both sidecars acknowledge the change", func() error {
+	poll.Within(t, time.Minute, "both sidecars acknowledge the change", func() error {
 		p, err := s.getPolicy()
 		if err != nil {
 			return err
@@ -660,7 +645,7 @@ func (s *suite) managerPodDeleted(t *testing.T) {
 			t.Fatalf("%d of 10 answers were replays, want 9", n)
 		}
 	}
-	eventually(t, 3*time.Minute, "a new manager Ready and the sidecars resynced", func() error {
+	poll.Within(t, 3*time.Minute, "a new manager Ready and the sidecars resynced", func() error {
 		var d appsv1.Deployment
 		if err := s.k8s.Get(s.ctx, client.ObjectKey{Namespace: s.mgrNS, Name: "idemcp-manager"}, &d); err != nil {
 			return err
@@ -697,7 +682,7 @@ func (s *suite) managerPodDeleted(t *testing.T) {
 	if err := s.k8s.Patch(s.ctx, p, patch); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, 2*time.Minute, "both sidecars acknowledge a change through the new manager", func() error {
+	poll.Within(t, 2*time.Minute, "both sidecars acknowledge a change through the new manager", func() error {
 		p, err := s.getPolicy()
 		if err != nil {
 			return err
@@ -770,7 +755,7 @@ func (s *suite) redisPodDeleted(t *testing.T) {
 		}
 	}
 	ran := s.runs(t, pods, "charge_card")
-	eventually(t, 3*time.Minute, "Redis back", func() error {
+	poll.Within(t, 3*time.Minute, "Redis back", func() error {
 		p, err := s.redisPod()
 		if err != nil {
 			return err
@@ -847,7 +832,7 @@ func (s *suite) scaleManager(t *testing.T, ctx context.Context, n int32, wait bo
 	if !wait {
 		return
 	}
-	eventually(t, 3*time.Minute, fmt.Sprintf("manager scaled to %d", n), func() error {
+	poll.Within(t, 3*time.Minute, fmt.Sprintf("manager scaled to %d", n), func() error {
 		if err := s.k8s.Get(ctx, key, &d); err != nil {
 			return err
 		}
@@ -877,7 +862,7 @@ func (s *suite) plainPodWithoutManager(t *testing.T) {
 	if err := s.k8s.Create(s.ctx, pod); err != nil {
 		t.Fatalf("a pod that did not opt in, with the manager at 0 replicas: %v", err)
 	}
-	eventually(t, 2*time.Minute, "the plain pod Ready", func() error {
+	poll.Within(t, 2*time.Minute, "the plain pod Ready", func() error {
 		if err := s.k8s.Get(s.ctx, client.ObjectKeyFromObject(pod), pod); err != nil {
 			return err
 		}
@@ -896,7 +881,7 @@ func (s *suite) deletePolicy(t *testing.T) {
 	s.run(t, "-n", s.ns, "delete", "idpol", policyName, "--wait=false")
 	// In use by the two pods: the policy stays (terminating), and so does
 	// its Redis.
-	eventually(t, time.Minute, "the policy marked for deletion", func() error {
+	poll.Within(t, time.Minute, "the policy marked for deletion", func() error {
 		p, err := s.getPolicy()
 		if err != nil {
 			return err
@@ -933,7 +918,7 @@ func (s *suite) deletePolicy(t *testing.T) {
 	}
 	out := s.run(t, "-n", s.ns, "wait", "--for=delete", "idpol/"+policyName, "--timeout=180s")
 	t.Log(strings.TrimSpace(out))
-	eventually(t, 2*time.Minute, "the managed Redis cleaned up", func() error {
+	poll.Within(t, 2*time.Minute, "the managed Redis cleaned up", func() error {
 		var left []string
 		for _, o := range []client.Object{&appsv1.StatefulSet{}, &corev1.Service{}, &corev1.Secret{}} {
 			if err := s.k8s.Get(s.ctx, client.ObjectKey{Namespace: s.ns, Name: policyName + "-redis"}, o); !apierrors.IsNotFound(err) {

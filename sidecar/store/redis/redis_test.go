@@ -18,6 +18,7 @@ import (
 	redisstore "github.com/idemcp/idemcp/sidecar/store/redis"
 	"github.com/idemcp/idemcp/sidecar/store/redis/redistest"
 	"github.com/idemcp/idemcp/sidecar/store/storetest"
+	"github.com/idemcp/idemcp/test/poll"
 )
 
 // prefix gives each test its own keys and wake channel on a shared server.
@@ -528,10 +529,10 @@ func TestMinReplicas(t *testing.T) {
 		t.Fatalf("replay with the replica stopped: %v %q, %v", r.State, r.Response, err)
 	}
 	replica.Resume()
-	waitFor(t, func() bool {
+	poll.Within(t, 10*time.Second, "claims to succeed once the replica is back", poll.True(func() bool {
 		r, err := s.Reserve(ctx, claim("again", time.Minute))
 		return err == nil && r.State == store.Won
-	}, "claims to succeed once the replica is back")
+	}))
 }
 
 // TestReplayOnlyWhatReplicasHave: with MinReplicas a result that only the
@@ -568,10 +569,10 @@ func TestReplayOnlyWhatReplicasHave(t *testing.T) {
 	}
 
 	replica.Resume()
-	waitFor(t, func() bool {
+	poll.Within(t, 10*time.Second, "the retry to replay the result once the replica has it", poll.True(func() bool {
 		r, err := s.Reserve(ctx, retry)
 		return err == nil && r.State == store.Completed && string(r.Response) == "result"
-	}, "the retry to replay the result once the replica has it")
+	}))
 	if v, _ := redistest.Do(replica.Addr, "HGET", prefix(t)+"lonely", "r"); v != "result" {
 		t.Fatalf("the replayed result is %q on the replica, want it there", v)
 	}
@@ -587,17 +588,6 @@ func TestMinReplicasNegative(t *testing.T) {
 	_, err := redisstore.New(redisstore.Options{Addrs: []string{"127.0.0.1:1"}, MinReplicas: -1})
 	if err == nil || !strings.Contains(err.Error(), "MinReplicas -1") {
 		t.Fatalf("New with MinReplicas -1: %v, want an error naming it", err)
-	}
-}
-
-func waitFor(t *testing.T, cond func() bool, what string) {
-	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(50 * time.Millisecond)
 	}
 }
 
@@ -636,18 +626,18 @@ func TestMinReplicasAcrossFailover(t *testing.T) {
 		}
 		time.Sleep(200 * time.Millisecond)
 	}
-	waitFor(t, func() bool {
+	poll.Within(t, 10*time.Second, "the Sentinel to name a new primary", poll.True(func() bool {
 		addr, err := redistest.Do(sentinel.Addr, "SENTINEL", "get-master-addr-by-name", "idemcp")
 		return err == nil && strings.Replace(addr, "\n", ":", 1) != primary.Addr
-	}, "the Sentinel to name a new primary")
+	}))
 	for i := range n {
 		key := fmt.Sprintf("k%d", i)
 		var r store.Reservation
-		waitFor(t, func() bool {
+		poll.Within(t, 10*time.Second, "the store to reach the new primary", poll.True(func() bool {
 			var err error
 			r, err = s.Reserve(ctx, claim(key, time.Minute))
 			return err == nil
-		}, "the store to reach the new primary")
+		}))
 		want := store.Pending
 		if i%2 == 0 {
 			want = store.Completed

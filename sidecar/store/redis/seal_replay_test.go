@@ -11,6 +11,7 @@ import (
 	"github.com/idemcp/idemcp/sidecar/store"
 	redisstore "github.com/idemcp/idemcp/sidecar/store/redis"
 	"github.com/idemcp/idemcp/sidecar/store/redis/redistest"
+	"github.com/idemcp/idemcp/test/poll"
 )
 
 // TestSealedRecordRestoredAfterExpiryDoesNotReplay: whoever can write to
@@ -46,7 +47,7 @@ func TestSealedRecordRestoredAfterExpiryDoesNotReplay(t *testing.T) {
 	if err != nil {
 		t.Fatalf("DUMP: %v", err)
 	}
-	waitFor(t, func() bool { n, _ := rc.Exists(ctx, full).Result(); return n == 0 }, "the record's TTL to run out")
+	poll.Within(t, 10*time.Second, "the record's TTL to run out", poll.True(func() bool { n, _ := rc.Exists(ctx, full).Result(); return n == 0 }))
 	if err := rc.Restore(ctx, full, time.Hour, copied).Err(); err != nil {
 		t.Fatalf("RESTORE: %v", err)
 	}

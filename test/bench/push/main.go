@@ -52,6 +52,7 @@ import (
 	"github.com/idemcp/idemcp/internal/policywire"
 	"github.com/idemcp/idemcp/sidecar/engine"
 	"github.com/idemcp/idemcp/sidecar/policysync"
+	"github.com/idemcp/idemcp/test/poll"
 )
 
 const (
@@ -375,12 +376,8 @@ func profileSelf(name string) func() {
 }
 
 func waitUntil(d time.Duration, cond func() bool) error {
-	deadline := time.Now().Add(d)
-	for !cond() {
-		if time.Now().After(deadline) {
-			return fmt.Errorf("timed out after %s", d)
-		}
-		time.Sleep(50 * time.Millisecond)
+	if err := poll.Until(context.Background(), d, poll.True(cond)); err != nil {
+		return fmt.Errorf("timed out after %s", d)
 	}
 	return nil
 }

@@ -4,8 +4,9 @@
 // (an immediate shutdown, as a crash) and started again with its data.
 //
 // PostgreSQL refuses to run as root; as root the servers run as the user
-// nobody. When the programs are not installed a test is skipped, except
-// under CI (CI=true), where a missing dependency fails it.
+// nobody. The processes run under test/procs. When the programs are not
+// installed a test is skipped, except under CI (CI=true), where a missing
+// dependency fails it; under -short (make test-unit) it is skipped.
 package pgtest
 
 import (
@@ -18,7 +19,6 @@ import (
 	"path/filepath"
 	"sort"
 	"strconv"
-	"strings"
 	"sync"
 	"syscall"
 	"testing"
@@ -27,6 +27,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/idemcp/idemcp/internal/freeport"
+	"github.com/idemcp/idemcp/test/procs"
 	"github.com/idemcp/idemcp/test/testdeps"
 )
 
@@ -36,6 +37,7 @@ const startTimeout = 30 * time.Second
 // /usr/lib/postgresql/*/bin, else the one on PATH), or ends the test.
 func Dir(tb testing.TB) string {
 	tb.Helper()
+	testdeps.Real(tb, "runs PostgreSQL")
 	dirs, _ := filepath.Glob("/usr/lib/postgresql/*/bin")
 	sort.Slice(dirs, func(i, j int) bool { return version(dirs[i]) < version(dirs[j]) })
 	for i := len(dirs) - 1; i >= 0; i-- {
@@ -71,11 +73,12 @@ func runAs(tb testing.TB) *syscall.Credential {
 	return &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid)}
 }
 
+// env is the servers' whole environment.
+var env = []string{"LC_ALL=C", "PATH=/usr/bin:/bin", "HOME=/tmp"}
+
 func command(cred *syscall.Credential, name string, args ...string) *exec.Cmd {
-	cmd := exec.Command(name, args...)
-	cmd.Env = []string{"LC_ALL=C", "PATH=/usr/bin:/bin", "HOME=/tmp"}
-	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: cred}
-	setDeathSignal(cmd.SysProcAttr)
+	cmd := procs.Command(cred, name, args...)
+	cmd.Env = env
 	return cmd
 }
 
@@ -139,12 +142,7 @@ type Server struct {
 	tb   testing.TB
 	bin  string
 	cred *syscall.Credential
-	data string
-	log  string
-
-	mu     sync.Mutex
-	proc   *os.Process
-	exited chan struct{}
+	proc *procs.Process
 }
 
 // Start runs a PostgreSQL server, stopped when the test ends.
@@ -163,19 +161,38 @@ func Start(tb testing.TB) *Server {
 	}
 	var lastErr error
 	for range 5 {
-		port := FreePort(tb)
-		s := &Server{
-			Addr: net.JoinHostPort("127.0.0.1", strconv.Itoa(port)),
-			tb:   tb, bin: bin, cred: cred, data: data, log: filepath.Join(dir, "postgres.log"),
-		}
-		s.URL = "postgres://postgres@" + s.Addr + "/postgres?sslmode=disable"
-		if lastErr = s.start(); lastErr == nil {
+		s := newServer(tb, bin, cred, dir, data, net.JoinHostPort("127.0.0.1", strconv.Itoa(FreePort(tb))))
+		if lastErr = s.proc.Start(); lastErr == nil {
 			tb.Cleanup(s.Stop)
 			return s
 		}
 	}
 	tb.Fatalf("starting PostgreSQL: %v", lastErr)
 	return nil
+}
+
+// newServer is a server of data (in dir, with its log) on addr, not yet
+// started.
+func newServer(tb testing.TB, bin string, cred *syscall.Credential, dir, data, addr string) *Server {
+	_, port, _ := net.SplitHostPort(addr)
+	s := &Server{Addr: addr, tb: tb, bin: bin, cred: cred}
+	s.URL = "postgres://postgres@" + s.Addr + "/postgres?sslmode=disable"
+	s.proc = procs.New(procs.Spec{
+		Name: "postgres", Path: filepath.Join(bin, "postgres"), Env: env, Credential: cred,
+		Args: []string{"-D", data, "-p", port,
+			"-c", "listen_addresses=127.0.0.1", "-c", "unix_socket_directories=",
+			// fsync off risks data only if the machine crashes; a killed server
+			// still recovers every committed transaction from its WAL.
+			"-c", "fsync=off", "-c", "full_page_writes=off",
+			"-c", "max_connections=200", "-c", "shared_buffers=32MB"},
+		Log:          filepath.Join(dir, "postgres.log"),
+		Ready:        func() error { return Ping(s.URL) },
+		ReadyTimeout: startTimeout,
+		// SIGQUIT is PostgreSQL's immediate shutdown: no checkpoint,
+		// crash recovery at the next start.
+		StopSignal: syscall.SIGQUIT, StopGrace: 10 * time.Second, DeathSignal: syscall.SIGQUIT,
+	})
+	return s
 }
 
 // FreePort returns a loopback port that was free a moment ago.
@@ -187,85 +204,15 @@ func FreePort(tb testing.TB) int {
 // Start brings a stopped server up again on the same port, with its data.
 func (s *Server) Start() {
 	s.tb.Helper()
-	if err := s.start(); err != nil {
+	if err := s.proc.Start(); err != nil {
 		s.tb.Fatalf("restarting PostgreSQL at %s: %v", s.Addr, err)
 	}
-}
-
-func (s *Server) start() error {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.exited != nil {
-		return nil
-	}
-	_, port, _ := net.SplitHostPort(s.Addr)
-	logf, err := os.OpenFile(s.log, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
-	if err != nil {
-		return err
-	}
-	defer func() { _ = logf.Close() }()
-	cmd := command(s.cred, filepath.Join(s.bin, "postgres"), "-D", s.data, "-p", port,
-		"-c", "listen_addresses=127.0.0.1", "-c", "unix_socket_directories=",
-		// fsync off risks data only if the machine crashes; a killed server
-		// still recovers every committed transaction from its WAL.
-		"-c", "fsync=off", "-c", "full_page_writes=off",
-		"-c", "max_connections=200", "-c", "shared_buffers=32MB")
-	cmd.Stdout, cmd.Stderr = logf, logf
-	if err := cmd.Start(); err != nil {
-		return err
-	}
-	exited := make(chan struct{})
-	go func() {
-		_ = cmd.Wait()
-		close(exited)
-	}()
-	deadline := time.Now().Add(startTimeout)
-	for {
-		if err := Ping(s.URL); err == nil {
-			break
-		}
-		select {
-		case <-exited:
-			return fmt.Errorf("postgres exited at start: %s", s.logTail())
-		case <-time.After(50 * time.Millisecond):
-		}
-		if time.Now().After(deadline) {
-			_ = cmd.Process.Signal(syscall.SIGQUIT)
-			<-exited
-			return fmt.Errorf("no connection within %v: %s", startTimeout, s.logTail())
-		}
-	}
-	s.proc, s.exited = cmd.Process, exited
-	return nil
 }
 
 // Stop shuts the server down immediately (SIGQUIT: no checkpoint, crash
 // recovery at the next start), as a crash would: clients see their
 // connections drop. Stopping a stopped server does nothing.
-func (s *Server) Stop() {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.exited == nil {
-		return
-	}
-	_ = s.proc.Signal(syscall.SIGQUIT)
-	select {
-	case <-s.exited:
-	case <-time.After(10 * time.Second):
-		_ = s.proc.Kill()
-		<-s.exited
-	}
-	s.proc, s.exited = nil, nil
-}
-
-func (s *Server) logTail() string {
-	b, err := os.ReadFile(s.log)
-	if err != nil {
-		return "(no log)"
-	}
-	lines := strings.Split(strings.TrimSpace(string(b)), "\n")
-	return strings.Join(lines[max(0, len(lines)-10):], "\n")
-}
+func (s *Server) Stop() { s.proc.Stop() }
 
 // Ping connects to url once.
 func Ping(url string) error {
@@ -303,6 +250,7 @@ type Bouncer struct {
 // stopped when the test ends.
 func StartBouncer(tb testing.TB, pg *Server) *Bouncer {
 	tb.Helper()
+	testdeps.Real(tb, "runs PgBouncer")
 	bin, err := exec.LookPath("pgbouncer")
 	if err != nil {
 		if _, serr := os.Stat("/usr/sbin/pgbouncer"); serr != nil {
@@ -335,37 +283,18 @@ logfile = %s
 			tb.Fatal(err)
 		}
 	}
-	cmd := command(cred, bin, filepath.Join(dir, "pgbouncer.ini"))
-	if err := cmd.Start(); err != nil {
+	b := &Bouncer{URL: fmt.Sprintf("postgres://postgres@127.0.0.1:%d/postgres?sslmode=disable", port)}
+	proc := procs.New(procs.Spec{
+		Name: "pgbouncer", Path: bin, Args: []string{filepath.Join(dir, "pgbouncer.ini")}, Env: env, Credential: cred,
+		Log:          filepath.Join(dir, "pgbouncer.log"),
+		Ready:        func() error { return Ping(b.URL) },
+		ReadyTimeout: startTimeout,
+		StopSignal:   syscall.SIGINT, StopGrace: 5 * time.Second, DeathSignal: syscall.SIGQUIT,
+	})
+	if err := proc.Start(); err != nil {
 		tb.Fatalf("starting pgbouncer: %v", err)
 	}
-	exited := make(chan struct{})
-	go func() {
-		_ = cmd.Wait()
-		close(exited)
-	}()
-	tb.Cleanup(func() {
-		_ = cmd.Process.Signal(syscall.SIGINT)
-		select {
-		case <-exited:
-		case <-time.After(5 * time.Second):
-			_ = cmd.Process.Kill()
-			<-exited
-		}
-	})
-	b := &Bouncer{URL: fmt.Sprintf("postgres://postgres@127.0.0.1:%d/postgres?sslmode=disable", port)}
-	deadline := time.Now().Add(startTimeout)
-	for Ping(b.URL) != nil {
-		select {
-		case <-exited:
-			log, _ := os.ReadFile(filepath.Join(dir, "pgbouncer.log"))
-			tb.Fatalf("pgbouncer exited at start:\n%s", log)
-		case <-time.After(50 * time.Millisecond):
-		}
-		if time.Now().After(deadline) {
-			tb.Fatalf("pgbouncer did not answer within %v", startTimeout)
-		}
-	}
+	tb.Cleanup(proc.Stop)
 	return b
 }
 
@@ -410,12 +339,8 @@ func StartStandbyAt(tb testing.TB, primary *Server, name, addr string) *Server {
 		if a == "" {
 			a = net.JoinHostPort("127.0.0.1", strconv.Itoa(FreePort(tb)))
 		}
-		s := &Server{
-			Addr: a,
-			tb:   tb, bin: primary.bin, cred: primary.cred, data: data, log: filepath.Join(dir, "postgres.log"),
-		}
-		s.URL = "postgres://postgres@" + s.Addr + "/postgres?sslmode=disable"
-		if lastErr = s.start(); lastErr == nil {
+		s := newServer(tb, primary.bin, primary.cred, dir, data, a)
+		if lastErr = s.proc.Start(); lastErr == nil {
 			tb.Cleanup(s.Stop)
 			return s
 		}

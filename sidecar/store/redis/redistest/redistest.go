@@ -2,8 +2,9 @@
 // standalone server that can be stopped and started again on the same
 // port, a primary with replicas, a Redis Cluster, and Sentinels.
 //
-// When redis-server is not installed a test is skipped, except under CI
-// (CI=true), where a missing dependency fails it.
+// The processes run under test/procs. When redis-server is not installed
+// a test is skipped, except under CI (CI=true), where a missing dependency
+// fails it; under -short (make test-unit) it is skipped.
 package redistest
 
 import (
@@ -17,12 +18,13 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
 
 	"github.com/idemcp/idemcp/internal/freeport"
+	"github.com/idemcp/idemcp/test/poll"
+	"github.com/idemcp/idemcp/test/procs"
 	"github.com/idemcp/idemcp/test/testdeps"
 )
 
@@ -33,6 +35,7 @@ const startTimeout = 10 * time.Second
 // ends the test: Skip on a developer's machine, Fatal under CI.
 func Binary(tb testing.TB, name string) string {
 	tb.Helper()
+	testdeps.Real(tb, "runs "+name)
 	path, err := exec.LookPath(name)
 	if err == nil {
 		return path
@@ -50,13 +53,7 @@ type Server struct {
 	Addr string
 
 	tb   testing.TB
-	bin  string
-	args []string
-	log  string
-
-	mu     sync.Mutex
-	exited chan struct{} // nil while stopped; closed when the process ends
-	proc   *os.Process
+	proc *procs.Process
 }
 
 // Start runs a standalone redis-server; extra arguments are passed to it
@@ -82,17 +79,14 @@ func StartReplica(tb testing.TB, primary *Server, extra ...string) *Server {
 	r := launch(tb, "replica", func(dir string) []string {
 		return append(confArgs(tb, dir, fmt.Sprintf("replicaof %s %s\n", host, port)), extra...)
 	})
-	deadline := time.Now().Add(startTimeout)
-	for {
+	poll.Within(tb, startTimeout, fmt.Sprintf("replica %s to sync with %s", r.Addr, primary.Addr), func() error {
 		info, err := Do(r.Addr, "INFO", "replication")
-		if err == nil && strings.Contains(info, "master_link_status:up") {
-			return r
+		if err == nil && !strings.Contains(info, "master_link_status:up") {
+			err = fmt.Errorf("not synced:\n%s", info)
 		}
-		if time.Now().After(deadline) {
-			tb.Fatalf("replica %s did not sync with %s within %v: %v\n%s", r.Addr, primary.Addr, startTimeout, err, info)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+		return err
+	})
+	return r
 }
 
 // confArgs writes a configuration file holding conf (which CONFIG REWRITE
@@ -128,9 +122,14 @@ func launch(tb testing.TB, name string, args func(dir string) []string) *Server 
 	var lastErr error
 	for range 5 {
 		dir := tb.TempDir()
-		s := &Server{tb: tb, bin: bin, args: args(dir), log: filepath.Join(dir, "redis.log")}
-		s.Addr = "127.0.0.1:" + argValue(s.args, "--port")
-		if err := s.start(); err != nil {
+		argv := args(dir)
+		s := &Server{tb: tb, Addr: "127.0.0.1:" + argValue(argv, "--port")}
+		s.proc = procs.New(procs.Spec{
+			Name: "redis-server", Path: bin, Args: argv, Log: filepath.Join(dir, "redis.log"),
+			Ready:        func() error { _, err := Do(s.Addr, "PING"); return err },
+			ReadyTimeout: startTimeout,
+		})
+		if err := s.proc.Start(); err != nil {
 			lastErr = err
 			continue
 		}
@@ -159,75 +158,23 @@ func freePort(tb testing.TB) int {
 // Start brings a stopped server up again on the same port.
 func (s *Server) Start() {
 	s.tb.Helper()
-	if err := s.start(); err != nil {
+	if err := s.proc.Start(); err != nil {
 		s.tb.Fatalf("restarting redis at %s: %v", s.Addr, err)
 	}
 }
 
-func (s *Server) start() error {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.exited != nil {
-		return nil
-	}
-	cmd := exec.Command(s.bin, s.args...)
-	cmd.SysProcAttr = sysProcAttr()
-	if err := cmd.Start(); err != nil {
-		return fmt.Errorf("%s: %w", s.bin, err)
-	}
-	exited := make(chan struct{})
-	go func() {
-		_ = cmd.Wait()
-		close(exited)
-	}()
-	deadline := time.Now().Add(startTimeout)
-	for {
-		if _, err := Do(s.Addr, "PING"); err == nil {
-			break
-		}
-		select {
-		case <-exited:
-			return fmt.Errorf("redis-server exited at start: %s", s.logTail())
-		case <-time.After(20 * time.Millisecond):
-		}
-		if time.Now().After(deadline) {
-			_ = cmd.Process.Kill()
-			<-exited
-			return fmt.Errorf("no answer to PING within %v: %s", startTimeout, s.logTail())
-		}
-	}
-	s.proc, s.exited = cmd.Process, exited
-	return nil
-}
-
 // Stop kills the server, as a crash or a lost node would: clients see
 // their connections drop. Stopping a stopped server does nothing.
-func (s *Server) Stop() {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.exited == nil {
-		return
-	}
-	_ = s.proc.Kill()
-	<-s.exited
-	s.proc, s.exited = nil, nil
-}
+func (s *Server) Stop() { s.proc.Kill() }
 
 // PID is the process id while the server runs, else 0.
-func (s *Server) PID() int {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.proc == nil {
-		return 0
-	}
-	return s.proc.Pid
-}
+func (s *Server) PID() int { return s.proc.PID() }
 
 // Pause stops the server with SIGSTOP, as a stalled VM or a long fork
 // would: connections stay open and nothing answers. Resume continues it.
 func (s *Server) Pause() {
 	s.tb.Helper()
-	if err := s.signal(syscall.SIGSTOP); err != nil {
+	if err := s.proc.Signal(syscall.SIGSTOP); err != nil {
 		s.tb.Errorf("pausing redis at %s: %v", s.Addr, err)
 	}
 }
@@ -235,27 +182,9 @@ func (s *Server) Pause() {
 // Resume continues a paused server.
 func (s *Server) Resume() {
 	s.tb.Helper()
-	if err := s.signal(syscall.SIGCONT); err != nil {
+	if err := s.proc.Signal(syscall.SIGCONT); err != nil {
 		s.tb.Errorf("resuming redis at %s: %v", s.Addr, err)
 	}
-}
-
-func (s *Server) signal(sig syscall.Signal) error {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.proc == nil {
-		return errors.New("not running")
-	}
-	return s.proc.Signal(sig)
-}
-
-func (s *Server) logTail() string {
-	b, err := os.ReadFile(s.log)
-	if err != nil {
-		return "(no log)"
-	}
-	lines := strings.Split(strings.TrimSpace(string(b)), "\n")
-	return strings.Join(lines[max(0, len(lines)-10):], "\n")
 }
 
 // Cluster is a Redis Cluster of masters without replicas.
@@ -295,19 +224,15 @@ func StartCluster(tb testing.TB, n int) *Cluster {
 	}
 	// create returns once the nodes agree on the slots; gossip may still
 	// be marking the cluster up on some of them.
-	deadline := time.Now().Add(startTimeout)
 	for _, addr := range c.Addrs {
-		for {
+		poll.Within(tb, startTimeout, "cluster node "+addr+" to be ready", func() error {
 			info, err := Do(addr, "CLUSTER", "INFO")
-			if err == nil && strings.Contains(info, "cluster_state:ok") &&
-				strings.Contains(info, "cluster_known_nodes:"+strconv.Itoa(n)+"\r") {
-				break
+			ready := strings.Contains(info, "cluster_state:ok") && strings.Contains(info, "cluster_known_nodes:"+strconv.Itoa(n)+"\r")
+			if err == nil && !ready {
+				err = fmt.Errorf("not ready:\n%s", info)
 			}
-			if time.Now().After(deadline) {
-				tb.Fatalf("cluster node %s not ready within %v: %v\n%s", addr, startTimeout, err, info)
-			}
-			time.Sleep(50 * time.Millisecond)
-		}
+			return err
+		})
 	}
 	return c
 }

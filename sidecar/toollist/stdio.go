@@ -1,4 +1,4 @@
-package stdio
+package toollist
 
 import (
 	"context"
@@ -15,14 +15,13 @@ import (
 	"github.com/idemcp/idemcp/sidecar/mcpmsg"
 )
 
-// maxListPages bounds one listing against a server whose cursors never end.
-const maxListPages = 1000
-
-// ownList is the wrapper's own tools/list requests, sent in the client's
-// session once the client has initialized it. Their ids carry a random
-// part, so they never meet the client's; their responses are kept from the
-// client.
-type ownList struct {
+// Stdio lists a stdio MCP server's tools with the wrapper's own tools/list
+// requests, sent in the client's session once the client has initialized
+// it (the server has no other session). Their ids carry a random part, so
+// they never meet the client's; the wrapper hands their responses to
+// Deliver and keeps them from the client.
+type Stdio struct {
+	send   func(line []byte) error
 	prefix string
 	seq    atomic.Int64
 	ready  atomic.Bool
@@ -32,8 +31,9 @@ type ownList struct {
 	meta    json.RawMessage // the client's protocol _meta, for 2026-07-28
 }
 
-// open marks the session open, and reports whether it just was.
-func (l *ownList) open(meta json.RawMessage) bool {
+// Open marks the session open, with the client's protocol _meta (for
+// 2026-07-28; nil: none), and reports whether it just was.
+func (l *Stdio) Open(meta json.RawMessage) bool {
 	l.mu.Lock()
 	if meta != nil {
 		l.meta = meta
@@ -42,15 +42,20 @@ func (l *ownList) open(meta json.RawMessage) bool {
 	return l.ready.CompareAndSwap(false, true)
 }
 
-func newOwnList() *ownList {
+// Opened reports whether the session is open.
+func (l *Stdio) Opened() bool { return l.ready.Load() }
+
+// NewStdio returns a lister whose requests are lines given to send (the
+// server's stdin).
+func NewStdio(send func(line []byte) error) *Stdio {
 	var b [6]byte
 	_, _ = rand.Read(b[:])
-	return &ownList{prefix: "idemcp-tools-list-" + hex.EncodeToString(b[:]) + "-", waiting: make(map[string]chan *mcpmsg.Message)}
+	return &Stdio{send: send, prefix: "idemcp-tools-list-" + hex.EncodeToString(b[:]) + "-", waiting: make(map[string]chan *mcpmsg.Message)}
 }
 
-// deliver hands a response to the wrapper's own request it answers, and
+// Deliver hands a response to the lister's own request it answers, and
 // reports whether it was one.
-func (l *ownList) deliver(msg *mcpmsg.Message) bool {
+func (l *Stdio) Deliver(msg *mcpmsg.Message) bool {
 	k := mcpmsg.IDKey(msg.ID)
 	l.mu.Lock()
 	ch, ok := l.waiting[k]
@@ -62,14 +67,13 @@ func (l *ownList) deliver(msg *mcpmsg.Message) bool {
 	return ok
 }
 
-// listTools does one listing through the child (toollist.ListFunc).
-func (w *Wrapper) listTools(ctx context.Context, hints *engine.ToolHints) error {
-	l := w.ownList
+// List does one listing through the server (a ListFunc).
+func (l *Stdio) List(ctx context.Context, hints *engine.ToolHints) error {
 	if !l.ready.Load() {
 		return errors.New("the client has not initialized the session yet")
 	}
 	cursor := ""
-	for range maxListPages {
+	for range maxPages {
 		id := json.RawMessage(strconv.Quote(l.prefix + strconv.FormatInt(l.seq.Add(1), 10)))
 		params := map[string]any{}
 		if cursor != "" {
@@ -86,7 +90,7 @@ func (w *Wrapper) listTools(ctx context.Context, hints *engine.ToolHints) error 
 		l.mu.Lock()
 		l.waiting[k] = ch
 		l.mu.Unlock()
-		if err := w.childIn.writeLine(line); err != nil {
+		if err := l.send(line); err != nil {
 			l.drop(k)
 			return fmt.Errorf("writing tools/list to the MCP server: %w", err)
 		}
@@ -104,10 +108,10 @@ func (w *Wrapper) listTools(ctx context.Context, hints *engine.ToolHints) error 
 			return nil
 		}
 	}
-	return fmt.Errorf("tools/list: more than %d pages", maxListPages)
+	return fmt.Errorf("tools/list: more than %d pages", maxPages)
 }
 
-func (l *ownList) drop(k string) {
+func (l *Stdio) drop(k string) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	delete(l.waiting, k)

@@ -1,7 +1,0 @@
-//go:build !linux
-
-package pgtest
-
-import "syscall"
-
-func setDeathSignal(*syscall.SysProcAttr) {}

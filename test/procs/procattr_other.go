@@ -1,0 +1,7 @@
+//go:build !linux
+
+package procs
+
+import "syscall"
+
+func setDeathSignal(*syscall.SysProcAttr, syscall.Signal) {}
