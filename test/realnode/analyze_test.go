@@ -19,6 +19,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"github.com/idemcp/idemcp/internal/plugin"
+	"github.com/idemcp/idemcp/test/poll"
 	"github.com/idemcp/idemcp/webhook"
 )
 
@@ -111,7 +112,7 @@ func (s *suite) analyzeServiceAndVersion(t *testing.T) {
 	}
 	defer func() {
 		_ = s.k8s.Delete(s.ctx, pod, client.GracePeriodSeconds(0))
-		eventually(t, 2*time.Minute, "pod mcp-older gone", func() error {
+		poll.Within(t, 2*time.Minute, "pod mcp-older gone", func() error {
 			err := s.k8s.Get(s.ctx, client.ObjectKeyFromObject(pod), &corev1.Pod{})
 			if apierrors.IsNotFound(err) {
 				return nil

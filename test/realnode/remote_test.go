@@ -36,6 +36,7 @@ import (
 
 	"github.com/idemcp/idemcp/api/v1alpha1"
 	"github.com/idemcp/idemcp/test/mcpserver"
+	"github.com/idemcp/idemcp/test/poll"
 )
 
 const (
@@ -140,7 +141,7 @@ func (s *suite) getProxy() (*v1alpha1.IdempotentProxy, error) {
 func (s *suite) proxyPods(t *testing.T, n int) []corev1.Pod {
 	t.Helper()
 	var pods []corev1.Pod
-	eventually(t, 3*time.Minute, fmt.Sprintf("%d Ready proxy pods", n), func() error {
+	poll.Within(t, 3*time.Minute, fmt.Sprintf("%d Ready proxy pods", n), func() error {
 		var l corev1.PodList
 		if err := s.k8s.List(s.ctx, &l, client.InNamespace(s.ns), client.MatchingLabels{v1alpha1.LabelProxy: proxyName}); err != nil {
 			return err
@@ -180,7 +181,7 @@ func (s *suite) remoteProxy(t *testing.T) {
 	if err := s.k8s.Create(s.ctx, px); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, 4*time.Minute, "the IdempotentProxy Ready", func() error {
+	poll.Within(t, 4*time.Minute, "the IdempotentProxy Ready", func() error {
 		px, err := s.getProxy()
 		if err != nil {
 			return err
@@ -241,7 +242,7 @@ func (s *suite) remoteProxy(t *testing.T) {
 	if err := s.k8s.Patch(s.ctx, p, patch); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, time.Minute, "the proxy's Synced shows the new policy on both pods", func() error {
+	poll.Within(t, time.Minute, "the proxy's Synced shows the new policy on both pods", func() error {
 		p, err := s.getPolicy()
 		if err != nil {
 			return err
@@ -284,7 +285,7 @@ func (s *suite) remoteProxy(t *testing.T) {
 	if err := s.k8s.Delete(s.ctx, px); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, 2*time.Minute, "the proxy's Deployment, Service, PodDisruptionBudget and pods gone", func() error {
+	poll.Within(t, 2*time.Minute, "the proxy's Deployment, Service, PodDisruptionBudget and pods gone", func() error {
 		var left []string
 		for _, o := range []client.Object{&appsv1.Deployment{}, &corev1.Service{}, &policyv1.PodDisruptionBudget{}} {
 			if err := s.k8s.Get(s.ctx, client.ObjectKey{Namespace: s.ns, Name: proxyName}, o); !apierrors.IsNotFound(err) {
