@@ -50,7 +50,9 @@ type Options struct {
 	// passing through teaches Auto ("": the upstream URL's host, and any
 	// Host).
 	UpstreamHost string
-	PolicyFile   string
+	// KeySpace is the MCP server the keys belong to (engine.Options).
+	KeySpace   string
+	PolicyFile string
 	// RetryWindow, when not 0, overrides the policy's spec.retryWindow
 	// (--retry-window), for a sidecar run without a manager.
 	RetryWindow time.Duration
@@ -181,6 +183,7 @@ func (o *Options) Flags(fs *flag.FlagSet) {
 	fs.StringVar(&o.Upstream, "upstream", "", "URL of the MCP server, such as http://127.0.0.1:8080 (required)")
 	fs.StringVar(&o.UpstreamDialIPs, "upstream-dial-ips", "", "IP addresses, comma-separated, where the sidecar connects to the upstream's port first, falling back to --upstream's host when nothing listens there; the webhook sets the pod's IPs, so that the MCP server sees requests to its pod IP, not loopback (empty: --upstream's host only)")
 	fs.StringVar(&o.UpstreamHost, "upstream-host", "", "the Host of the sidecar's own tool listing, for a server that allows only its public host names (such as mcp.shop.svc); then only tools/list responses to requests with this Host teach defaultMode Auto (empty: --upstream's host, and any Host)")
+	fs.StringVar(&o.KeySpace, "key-space", "", "the MCP server the keys belong to, part of every key: the webhook sets the pod's workload (Deployment/NAME), or the idemcp.io/key-space annotation's value, so that two workloads under one policy never replay each other's results (empty: keys of no workload; run by hand, the store's key prefix names the upstream instead)")
 	fs.StringVar(&o.PolicyFile, "policy-file", "", "an IdempotencyPolicy YAML file; only its spec is used (default: Memory store, Session scope, Auto, 24h TTL, 10m retry window)")
 	fs.StringVar(&o.Policy, "policy", "", "an inline IdempotencyPolicy manifest (YAML or JSON), as the webhook injects it; exclusive with --policy-file")
 	fs.DurationVar(&o.RetryWindow, "retry-window", 0, RetryWindowFlag)
@@ -293,7 +296,7 @@ func New(o Options) (*Sidecar, error) {
 	if err != nil {
 		return nil, err
 	}
-	eng := engine.New(engine.Options{Policy: pol, Store: st, Metrics: engine.NewMetrics(reg), Logger: log,
+	eng := engine.New(engine.Options{Policy: pol, Store: st, Metrics: engine.NewMetrics(reg), Logger: log, KeySpace: o.KeySpace,
 		MaxWaitersPerKey: o.Limits.MaxWaitersPerKey, MaxWaitersPerPrincipal: o.Limits.MaxWaitersPerPrincipal})
 	// Every connection to the MCP server goes through one dialer, which
 	// remembers the address that answers.

@@ -130,6 +130,11 @@ const (
 	// LabelCredentials opts a Secret in to use by idemcp: a policy's
 	// passwordSecretRef may only name a Secret that carries it with "true".
 	LabelCredentials = "idemcp.io/credentials"
+	// AnnotationKeySpace on a pod (template) names the key space its
+	// sidecar uses: workloads whose pods carry the same value are one MCP
+	// server and share results (blue/green). Without it each workload
+	// (Deployment, StatefulSet, ...) has its own.
+	AnnotationKeySpace = "idemcp.io/key-space"
 	// AnnotationStatus is the webhook's mark on a pod it injected.
 	AnnotationStatus = "idemcp.io/status"
 	// FinalizerInUse holds a policy being deleted while pods use it, and

@@ -152,8 +152,15 @@ func explicitScope(rule *policy.Rule, c Caller) (scope string, ok bool) {
 // deriveKey returns the store key for a call: only hashes, never the raw
 // arguments or the raw explicit key. An explicit key must have a scope
 // (Plan checks explicitScope first).
-func deriveKey(rule *policy.Rule, c Caller, explicit, fingerprint string) string {
+func deriveKey(keySpace string, rule *policy.Rule, c Caller, explicit, fingerprint string) string {
 	h := make([]byte, 0, 256)
+	if keySpace != "" {
+		// One key space per MCP server: two workloads under one policy
+		// never share a key. Without one, the key is as it always was.
+		h = append(h, "space\x00"...)
+		h = append(h, keySpace...)
+		h = append(h, 0)
+	}
 	if explicit != "" {
 		// Explicit keys are always the caller's own: another principal
 		// (or, for anonymous callers, another session) using the same key

@@ -11,6 +11,9 @@ type Metrics struct {
 	TakeOvers   prometheus.Counter
 	Panics      *prometheus.CounterVec
 	OverLimit   *prometheus.CounterVec
+	// EarlierReplays counts replays found under the key a call had before
+	// a policy change moved it (history.go).
+	EarlierReplays prometheus.Counter
 }
 
 // Outcome labels of idemcp_tool_calls_total.
@@ -56,9 +59,13 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name: "idemcp_over_limit_total",
 			Help: "Requests refused because a caller, or all callers together, was over a bound: waiters_per_key, waiters_per_principal, streams_per_principal, streams_total.",
 		}, []string{"limit"}),
+		EarlierReplays: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "idemcp_replays_under_earlier_policy_total",
+			Help: "Retries replayed from the key they had under an earlier policy, because a live change of keyScope or ignoreArguments moved their key; they are also counted as replayed.",
+		}),
 	}
 	if reg != nil {
-		reg.MustRegister(m.Calls, m.Classified, m.NotStored, m.StoreErrors, m.TakeOvers, m.Panics, m.OverLimit)
+		reg.MustRegister(m.Calls, m.Classified, m.NotStored, m.StoreErrors, m.TakeOvers, m.Panics, m.OverLimit, m.EarlierReplays)
 	}
 	return m
 }
