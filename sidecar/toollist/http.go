@@ -123,12 +123,30 @@ func (w *watchWriter) Flush() {
 // Unwrap lets http.ResponseController reach the real writer.
 func (w *watchWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }
 
-// List does one listing on a session of its own: initialize, then
-// tools/list page by page with the session's id, then DELETE the session.
+// List does one listing on a session of its own: over Streamable HTTP,
+// or, when the server refuses that as a legacy HTTP+SSE (2024-11-05)
+// server does, over legacy SSE (legacy.go).
 func (h *HTTP) List(ctx context.Context, hints *engine.ToolHints) error {
+	err := h.listStreamable(ctx, hints)
+	if !errors.Is(err, errNotStreamable) {
+		return err
+	}
+	if lerr := h.listLegacy(ctx, hints); lerr != nil {
+		return fmt.Errorf("%w; over legacy SSE: %w", err, lerr)
+	}
+	return nil
+}
+
+// listStreamable does one Streamable HTTP listing: initialize, then
+// tools/list page by page with the session's id, then DELETE the session.
+func (h *HTTP) listStreamable(ctx context.Context, hints *engine.ToolHints) error {
 	endpoint := h.endpoint()
 	init := fmt.Sprintf(`{"protocolVersion":%q,"capabilities":{},"clientInfo":{"name":"idemcp","version":"1"}}`, listVersion)
 	res, hdr, err := h.call(ctx, endpoint, "initialize", json.RawMessage(init), "", "")
+	var status *statusError
+	if errors.As(err, &status) && (status.code == http.StatusBadRequest || status.code == http.StatusNotFound || status.code == http.StatusMethodNotAllowed) {
+		return fmt.Errorf("initializing a session with %s: %w (HTTP %d)", endpoint, errNotStreamable, status.code)
+	}
 	if err != nil {
 		return fmt.Errorf("initializing a session with %s: %w", endpoint, err)
 	}
@@ -198,7 +216,7 @@ func (h *HTTP) call(ctx context.Context, endpoint target, method string, params 
 	}
 	defer func() { _ = resp.Body.Close() }()
 	if resp.StatusCode != http.StatusOK {
-		return nil, nil, fmt.Errorf("HTTP %d", resp.StatusCode)
+		return nil, nil, &statusError{code: resp.StatusCode}
 	}
 	msg, err := readResponse(resp, id)
 	if err != nil {
@@ -272,3 +290,8 @@ func (h *HTTP) deleteSession(endpoint target, session, version string) {
 		_ = resp.Body.Close()
 	}
 }
+
+// statusError is a listing request answered with another status than 200.
+type statusError struct{ code int }
+
+func (e *statusError) Error() string { return fmt.Sprintf("HTTP %d", e.code) }
