@@ -322,7 +322,7 @@ func New(o Options) (*Sidecar, error) {
 	lt.MaxIdleConns, lt.MaxIdleConnsPerHost = 2, 2
 	lt.DialContext = dialer.DialContext
 	lh := toollist.NewHTTP(&http.Client{Timeout: 30 * time.Second, Transport: lt}, up, o.UpstreamHost)
-	lister := toollist.New(toollist.Options{Hints: eng.Hints(), List: lh.List, Registerer: reg, Logger: log, Listed: eng.ReportAnnotations})
+	lister := toollist.New(toollist.Options{Hints: eng.Hints(), List: lh.List, ListIn: lh.ListIn, Registerer: reg, Logger: log, Listed: eng.ReportAnnotations})
 	lh.OnChanged(lister.Changed)
 	return &Sidecar{
 		opts:      o,

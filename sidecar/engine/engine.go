@@ -147,7 +147,7 @@ func (e *Engine) Metrics() *Metrics { return e.metrics }
 // classify). A call it passes through is counted by reason here, as it
 // never reaches Plan.
 func (e *Engine) Deduplicates(tool string) bool {
-	dedup, reason := e.classify(e.policy.Load().RuleFor(tool), tool)
+	dedup, reason := e.classify(e.policy.Load().RuleFor(tool), tool, nil)
 	if !dedup {
 		e.countClassified(dedup, reason)
 	}
@@ -227,7 +227,7 @@ type Plan struct {
 func (e *Engine) Plan(tc *ToolCall, c Caller) (*Plan, error) {
 	p := e.policy.Load()
 	rule := p.RuleFor(tc.Name)
-	dedup, reason := e.classify(rule, tc.Name)
+	dedup, reason := e.classify(rule, tc.Name, c.Listing)
 	e.countClassified(dedup, reason)
 	if !dedup {
 		// A key on a call that is not deduplicated means nothing to us;

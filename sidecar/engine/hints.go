@@ -47,14 +47,14 @@ type hint struct {
 // idempotentHint: true pass through (running the tool again is safe, and
 // a fresh answer is what the caller wants); everything else, including a
 // tool the server did not annotate or did not list, is deduplicated.
-func (h *ToolHints) classify(mode v1alpha1.ToolMode, tool string) (dedup bool, reason string) {
+func (h *ToolHints) classify(mode v1alpha1.ToolMode, tool string, lc *ListingContext) (dedup bool, reason string) {
 	switch mode {
 	case v1alpha1.ModeDeduplicate:
 		return true, ByRule
 	case v1alpha1.ModePassthrough:
 		return false, ByRule
 	}
-	t, known := h.lookup(tool)
+	t, known := h.lookupIn(tool, lc)
 	return decide(t, known)
 }
 
@@ -77,8 +77,29 @@ func decide(t hint, known bool) (dedup bool, reason string) {
 }
 
 // classify is the engine's decision for one call under rule r.
-func (e *Engine) classify(r *policy.Rule, tool string) (dedup bool, reason string) {
-	return e.hints.classify(r.Mode, tool)
+func (e *Engine) classify(r *policy.Rule, tool string, lc *ListingContext) (dedup bool, reason string) {
+	return e.hints.classify(r.Mode, tool, lc)
+}
+
+// ListingContext is where a caller stands for the tools a server lists:
+// the capabilities its client declared at initialize, and its
+// credentials (the policy's principal header). A server may list some
+// tools only to some clients; a tool the sidecar's own listing does not
+// name is looked for in a listing made in the caller's context, sent to
+// the sidecar's configured endpoint only, where the call itself goes.
+type ListingContext struct {
+	// Capabilities is the client's initialize params.capabilities (nil:
+	// not known).
+	Capabilities json.RawMessage
+	// Header and Value are the principal header and the caller's value.
+	Header, Value string
+}
+
+// ContextLearner is a Learner that can also list the tools in a caller's
+// context. LearnIn returns what such a listing taught (nil: none could be
+// had in time); listings are cached per distinct context, boundedly.
+type ContextLearner interface {
+	LearnIn(lc ListingContext) *ToolHints
 }
 
 // countClassified counts a call in idemcp_tool_calls_classified_total.
@@ -204,7 +225,11 @@ func (h *ToolHints) ReadOnly(tool string) bool {
 
 // lookup returns what the server said of the tool. For a tool it has not
 // heard of, it waits (boundedly) for a listing first.
-func (h *ToolHints) lookup(tool string) (hint, bool) {
+func (h *ToolHints) lookup(tool string) (hint, bool) { return h.lookupIn(tool, nil) }
+
+// lookupIn is lookup, then, for a tool still unknown, a listing in the
+// caller's context lc (when given and the learner can make one).
+func (h *ToolHints) lookupIn(tool string, lc *ListingContext) (hint, bool) {
 	h.mu.RLock()
 	t, known := h.tools[tool]
 	learner, wait, unknown := h.learner, h.wait, h.unknown
@@ -224,6 +249,16 @@ func (h *ToolHints) lookup(tool string) (hint, bool) {
 		h.mu.RUnlock()
 		if known {
 			return t, true
+		}
+		if cl, ok := learner.(ContextLearner); ok && lc != nil {
+			if in := cl.LearnIn(*lc); in != nil {
+				in.mu.RLock()
+				t, known = in.tools[tool]
+				in.mu.RUnlock()
+				if known {
+					return t, true
+				}
+			}
 		}
 	}
 	if unknown != nil {

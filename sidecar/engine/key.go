@@ -54,6 +54,9 @@ type Caller struct {
 	// Session is the Mcp-Session-Id, or a run id for stdio; "" when the
 	// server is stateless.
 	Session string
+	// Listing is where the caller stands for the tools the server lists
+	// (nil: the sidecar's own listing only).
+	Listing *ListingContext
 	// Local marks the one user of a local stdio wrapper: with no principal,
 	// its explicit keys are still its own across runs (and machines sharing
 	// a Redis), as `idemcp wrap` documents. A network caller with no

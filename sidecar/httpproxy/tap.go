@@ -18,6 +18,7 @@ const maxToolsListBytes = 8 << 20
 // modifyResponse is the passthrough path's ReverseProxy.ModifyResponse.
 func (p *Proxy) modifyResponse(resp *http.Response) error {
 	closeIfBodyUnread(resp.Request.Context(), resp.StatusCode, resp.Header)
+	p.rememberClient(resp)
 	return p.tapToolsList(resp)
 }
 
