@@ -221,9 +221,9 @@ func (r *IdempotencyPolicyReconciler) reconcileStore(ctx context.Context, p *v1a
 		return memoryState(pods), 0, nil
 	}
 	if err == nil && st.status == metav1.ConditionTrue {
-		if ws := pods.sharing(); len(ws) > 1 {
+		if ws := pods.sharingKeys(); len(ws) > 1 {
 			st.reason = v1alpha1.ReasonStoreSharedByWorkloads
-			st.message = fmt.Sprintf("pods of %d workloads use this policy (%s): a policy's key space belongs to one MCP server, so these servers may replay each other's results for the same tool and arguments; give each its own policy",
+			st.message = fmt.Sprintf("pods of %d workloads use this policy with its one key space (%s): they were injected by an idemcp whose sidecars had no key space of their own, so these servers may replay each other's results for the same tool and arguments; restart them (kubectl rollout restart) and each workload gets its own",
 				len(ws), bounded.List(ws))
 		}
 	}

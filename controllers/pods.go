@@ -2,6 +2,7 @@ package controllers
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"maps"
 	"slices"
@@ -38,17 +39,34 @@ type policyPods struct {
 	// ownKeySpace are the workloads of IdempotentProxies: each keeps its
 	// records under a prefix of its own, so it shares no key space.
 	ownKeySpace map[workload]bool
+	// spaceless are the workloads with pods injected by an idemcp that
+	// gave sidecars no key space (--key-space): their keys are the
+	// policy's, shared with every other such workload.
+	spaceless map[workload]bool
 }
 
-// sharing names the workloads that share the policy's key space, sorted.
-func (pp *policyPods) sharing() []string {
+// sharingKeys names, sorted, the workloads that share the policy's key
+// space although they are different MCP servers: those with pods injected
+// before sidecars had a key space of their own. Workloads that share one
+// by idemcp.io/key-space asked to, and are not named; nor are
+// IdempotentProxies, whose prefix is their own.
+func (pp *policyPods) sharingKeys() []string {
 	var out []string
 	for _, w := range pp.sorted() {
-		if !pp.ownKeySpace[w] {
+		if pp.spaceless[w] && !pp.ownKeySpace[w] {
 			out = append(out, w.String())
 		}
 	}
 	return out
+}
+
+// hasKeySpace reports whether the webhook gave the pod's sidecar a key
+// space of its own (its status annotation names it).
+func hasKeySpace(pod *corev1.Pod) bool {
+	var st struct {
+		KeySpace string `json:"keySpace"`
+	}
+	return json.Unmarshal([]byte(pod.Annotations[v1alpha1.AnnotationStatus]), &st) == nil && st.KeySpace != ""
 }
 
 // sorted returns the workloads in a stable order.
@@ -108,7 +126,7 @@ func (r *IdempotencyPolicyReconciler) listPolicyPods(ctx context.Context, p *v1a
 	if err := r.List(ctx, &pods, client.InNamespace(p.Namespace), client.MatchingLabels{v1alpha1.LabelPolicy: p.Name}); err != nil {
 		return nil, fmt.Errorf("listing pods of %s: %w", klog.KObj(p), err)
 	}
-	out := &policyPods{workloads: map[workload]map[string]int{}, top: map[string]workload{}, ownKeySpace: map[workload]bool{}}
+	out := &policyPods{workloads: map[workload]map[string]int{}, top: map[string]workload{}, ownKeySpace: map[workload]bool{}, spaceless: map[workload]bool{}}
 	owners := map[workload]workload{} // intermediate owner -> top-level
 	for i := range pods.Items {
 		pod := &pods.Items[i]
@@ -123,6 +141,9 @@ func (r *IdempotencyPolicyReconciler) listPolicyPods(ctx context.Context, p *v1a
 		out.top[pod.Name] = top
 		if pod.Labels[v1alpha1.LabelProxy] != "" {
 			out.ownKeySpace[top] = true
+		}
+		if !hasKeySpace(pod) {
+			out.spaceless[top] = true
 		}
 		revs := out.workloads[top]
 		if revs == nil {

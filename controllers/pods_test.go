@@ -147,6 +147,24 @@ func TestRedisPolicySharedByWorkloads(t *testing.T) {
 		return nil
 	})
 	assertEvent(t, ns, "shared", v1alpha1.ReasonStoreSharedByWorkloads, "Deployment/billing, Deployment/crm")
+
+	// Pods injected with a key space of their own (each workload's, or one
+	// two workloads share by idemcp.io/key-space) share nothing they did
+	// not ask to: the store is ready with no warning.
+	for _, name := range []string{"billing-1111-x", "billing-1111-y", "crm-2222-x"} {
+		pod := &corev1.Pod{}
+		if err := k8s.Get(ctx, client.ObjectKey{Namespace: ns, Name: name}, pod); err != nil {
+			t.Fatal(err)
+		}
+		space := "Deployment/" + strings.SplitN(name, "-", 2)[0]
+		pod.Annotations[v1alpha1.AnnotationStatus] = `{"policy":"shared","keySpace":"` + space + `"}`
+		if err := k8s.Update(ctx, pod); err != nil {
+			t.Fatal(err)
+		}
+	}
+	eventually(t, "own key spaces: ExternalRedisConfigured", func() error {
+		return condition(getPolicy(t, ns, "shared"), v1alpha1.ConditionStoreReady, metav1.ConditionTrue, v1alpha1.ReasonExternalRedis)
+	})
 }
 
 // TestPolicyInUseIsHeld: deleting a policy while pods use it keeps it (and

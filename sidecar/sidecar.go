@@ -55,7 +55,9 @@ type Options struct {
 	UpstreamHostHeader string
 	// UpstreamTLS configures TLS to an https:// upstream (upstreamtls.go).
 	UpstreamTLS UpstreamTLSOptions
-	PolicyFile  string
+	// KeySpace is the MCP server the keys belong to (engine.Options).
+	KeySpace   string
+	PolicyFile string
 	// RetryWindow, when not 0, overrides the policy's spec.retryWindow
 	// (--retry-window), for a sidecar run without a manager.
 	RetryWindow time.Duration
@@ -191,6 +193,7 @@ func (o *Options) Flags(fs *flag.FlagSet) {
 	fs.StringVar(&o.UpstreamDialIPs, "upstream-dial-ips", "", "IP addresses, comma-separated, where the sidecar connects to the upstream's port first, falling back to --upstream's host when nothing listens there; the webhook sets the pod's IPs, so that the MCP server sees requests to its pod IP, not loopback (empty: --upstream's host only)")
 	fs.StringVar(&o.UpstreamHost, "upstream-host", "", "the Host of the sidecar's own tool listing, for a server that allows only its public host names (such as mcp.shop.svc); then only tools/list responses to requests with this Host teach defaultMode Auto (empty: --upstream's host, and any Host)")
 	o.upstreamFlags(fs)
+	fs.StringVar(&o.KeySpace, "key-space", "", "the MCP server the keys belong to, part of every key: the webhook sets the pod's workload (Deployment/NAME), or the idemcp.io/key-space annotation's value, so that two workloads under one policy never replay each other's results (empty: keys of no workload; run by hand, the store's key prefix names the upstream instead)")
 	fs.StringVar(&o.PolicyFile, "policy-file", "", "an IdempotencyPolicy YAML file; only its spec is used (default: Memory store, Session scope, Auto, 24h TTL, 10m retry window)")
 	fs.StringVar(&o.Policy, "policy", "", "an inline IdempotencyPolicy manifest (YAML or JSON), as the webhook injects it; exclusive with --policy-file")
 	fs.DurationVar(&o.RetryWindow, "retry-window", 0, RetryWindowFlag)
@@ -311,7 +314,7 @@ func New(o Options) (*Sidecar, error) {
 	if err != nil {
 		return nil, err
 	}
-	eng := engine.New(engine.Options{Policy: pol, Store: st, Metrics: engine.NewMetrics(reg), Logger: log,
+	eng := engine.New(engine.Options{Policy: pol, Store: st, Metrics: engine.NewMetrics(reg), Logger: log, KeySpace: o.KeySpace,
 		MaxWaitersPerKey: o.Limits.MaxWaitersPerKey, MaxWaitersPerPrincipal: o.Limits.MaxWaitersPerPrincipal,
 		MaxRunningPerPrincipal: o.Limits.MaxRunningPerPrincipal, MaxRunning: o.Limits.MaxRunning,
 		Pod: os.Getenv("POD_NAME")})
@@ -345,7 +348,7 @@ func New(o Options) (*Sidecar, error) {
 		lt.TLSClientConfig = tlsConfig.Clone()
 	}
 	lh := toollist.NewHTTP(&http.Client{Timeout: 30 * time.Second, Transport: lt}, up, o.UpstreamHost)
-	lister := toollist.New(toollist.Options{Hints: eng.Hints(), List: lh.List, Registerer: reg, Logger: log, Listed: eng.ReportAnnotations})
+	lister := toollist.New(toollist.Options{Hints: eng.Hints(), List: lh.List, ListIn: lh.ListIn, Registerer: reg, Logger: log, Listed: eng.ReportAnnotations})
 	lh.OnChanged(lister.Changed)
 	return &Sidecar{
 		opts:      o,

@@ -64,6 +64,9 @@ const (
 // webhook sets to the pod's IPs (the Downward API's status.podIPs).
 const EnvUpstreamDialIPs = "IDEMCP_UPSTREAM_DIAL_IPS"
 
+// EnvKeySpace is the sidecar's --key-space (keyspace.go).
+const EnvKeySpace = "IDEMCP_KEY_SPACE"
+
 // MaxPolicySnapshotBytes is the largest IDEMCP_POLICY value: Linux caps one
 // environment string ("NAME=value" and its NUL) at 128 KiB, and a container
 // past it fails to start with E2BIG.
@@ -109,6 +112,9 @@ type Status struct {
 	ProxyPort  int32  `json:"proxyPort,omitempty"`
 	AdminPort  int32  `json:"adminPort,omitempty"`
 	Image      string `json:"image"`
+	// KeySpace is the sidecar's --key-space: the workload, or the
+	// idemcp.io/key-space it shares.
+	KeySpace string `json:"keySpace,omitempty"`
 }
 
 // Refusal is why the webhook refuses a pod, with a message that says how to
@@ -251,8 +257,15 @@ func Inject(pod *corev1.Pod, p *v1alpha1.IdempotencyPolicy, policyHash string, c
 		return err
 	}
 
+	keySpace, err := keySpaceOf(out)
+	if err != nil {
+		return err
+	}
 	plan.apply()
 	c := sidecarContainer(p, cfg, plan, snapshot)
+	// Part of every key: two workloads under one policy never replay
+	// each other's results.
+	c.Env = append(c.Env, corev1.EnvVar{Name: EnvKeySpace, Value: keySpace})
 	c.Resources = res
 	c.Env = append(c.Env, memoryEnv(out, res, cfg)...)
 	if native {
@@ -278,7 +291,7 @@ func Inject(pod *corev1.Pod, p *v1alpha1.IdempotencyPolicy, policyHash string, c
 	out.Labels[v1alpha1.LabelPolicy] = p.Name
 	status, _ := json.Marshal(Status{
 		Container: ContainerName, Policy: p.Name, PolicyHash: policyHash, Upstream: plan.upstream,
-		ProxyPort: plan.proxyPort, AdminPort: plan.adminPort, Image: cfg.Image,
+		ProxyPort: plan.proxyPort, AdminPort: plan.adminPort, Image: cfg.Image, KeySpace: keySpace,
 	})
 	if out.Annotations == nil {
 		out.Annotations = map[string]string{}

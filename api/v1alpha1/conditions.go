@@ -7,6 +7,10 @@ const (
 	// ConditionSidecarsSynced says whether every sidecar applied the
 	// current policy.
 	ConditionSidecarsSynced = "SidecarsSynced"
+	// ConditionToolsAnnotated says whether every tool Auto decides for
+	// carries the server's annotations; the policy stream writes it from
+	// the sidecars' reports. Ready does not depend on it: it is a warning.
+	ConditionToolsAnnotated = "ToolsAnnotated"
 	// ConditionReady sums the others up: the policy is enforced as written.
 	ConditionReady = "Ready"
 )
@@ -107,13 +111,30 @@ const (
 	ReasonStreamUnavailable = "StreamUnavailable"
 )
 
+// Reasons of the ToolsAnnotated condition, which the policy stream writes.
+const (
+	// ReasonToolsAnnotated: every tool the sidecars have seen is decided
+	// by a rule or by the server's annotations (True).
+	ReasonToolsAnnotated = "ToolsAnnotated"
+	// ReasonToolsUnannotated: Auto deduplicates some tools only because
+	// the server gives them no annotations, or because no listing named
+	// them (False, with a Warning event); the message names them, the
+	// workloads that reported them, and the rule that would pass them
+	// through.
+	ReasonToolsUnannotated = "ToolsUnannotated"
+	// ReasonNoToolsReported: no connected sidecar has reported a tool yet
+	// (Unknown).
+	ReasonNoToolsReported = "NoToolsReported"
+)
+
 // Field managers of the status: each writer applies its own fields with
 // server-side apply, so neither overwrites the other's conditions.
 const (
 	// FieldManagerController owns observedGeneration, policyHash, store and
 	// the StoreReady and Ready conditions.
 	FieldManagerController = "idemcp-controller"
-	// FieldManagerPolicyStream owns sidecars and the SidecarsSynced condition.
+	// FieldManagerPolicyStream owns sidecars, tools, toolsOmitted and the
+	// SidecarsSynced and ToolsAnnotated conditions.
 	FieldManagerPolicyStream = "idemcp-policy-stream"
 )
 
@@ -130,6 +151,11 @@ const (
 	// LabelCredentials opts a Secret in to use by idemcp: a policy's
 	// passwordSecretRef may only name a Secret that carries it with "true".
 	LabelCredentials = "idemcp.io/credentials"
+	// AnnotationKeySpace on a pod (template) names the key space its
+	// sidecar uses: workloads whose pods carry the same value are one MCP
+	// server and share results (blue/green). Without it each workload
+	// (Deployment, StatefulSet, ...) has its own.
+	AnnotationKeySpace = "idemcp.io/key-space"
 	// AnnotationStatus is the webhook's mark on a pod it injected.
 	AnnotationStatus = "idemcp.io/status"
 	// FinalizerInUse holds a policy being deleted while pods use it, and

@@ -357,7 +357,7 @@ type IdempotencyPolicyStatus struct {
 	// +optional
 	ObservedGeneration int64 `json:"observedGeneration,omitempty"`
 
-	// Conditions: StoreReady, SidecarsSynced and Ready.
+	// Conditions: StoreReady, SidecarsSynced, ToolsAnnotated and Ready.
 	// +listType=map
 	// +listMapKey=type
 	// +optional
@@ -374,6 +374,39 @@ type IdempotencyPolicyStatus struct {
 	// PolicyHash is a stable hash of the compiled policy.
 	// +optional
 	PolicyHash string `json:"policyHash,omitempty"`
+
+	// Tools are the tools the sidecars have seen (listed by the MCP server,
+	// or called), each with the mode it gets and why; the policy stream
+	// writes them from the sidecars' reports. At most 64 are listed,
+	// those Auto deduplicates for want of annotations first.
+	// +listType=map
+	// +listMapKey=name
+	// +kubebuilder:validation:MaxItems=64
+	// +optional
+	Tools []ToolStatus `json:"tools,omitempty"`
+
+	// ToolsOmitted counts the tools seen beyond those listed in tools.
+	// +optional
+	ToolsOmitted int32 `json:"toolsOmitted,omitempty"`
+}
+
+// ToolStatus is what the sidecars decided for one tool.
+type ToolStatus struct {
+	// Name is the tool's name.
+	// +kubebuilder:validation:MaxLength=128
+	Name string `json:"name"`
+	// Mode is Deduplicate or Passthrough.
+	Mode ToolMode `json:"mode"`
+	// Reason is why: rule (a tools[] rule or defaultMode), readOnlyHint,
+	// idempotentHint (the server's annotations, under Auto), noAnnotations
+	// (the server gave neither, so Auto deduplicates it) or unknown (no
+	// listing named it, or named it twice with different annotations).
+	// +kubebuilder:validation:MaxLength=32
+	Reason string `json:"reason"`
+	// Sidecars is how many connected sidecars reported the tool; when they
+	// disagree, the mode most of them gave is shown, Deduplicate on a tie.
+	// +optional
+	Sidecars int32 `json:"sidecars,omitempty"`
 }
 
 // StoreStatus describes the store in use.

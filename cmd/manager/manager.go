@@ -401,7 +401,8 @@ func New(cfg *rest.Config, o Options) (ctrl.Manager, error) {
 		stream := policystream.New(mgr, policystream.Options{Addr: o.PolicyStreamAddr, CertDir: o.WebhookCertDir, CABundle: policyCA, FlushInterval: o.PolicyStreamFlush,
 			WriteTimeout: o.PolicyStreamWriteTimeout, MaxStreams: o.PolicyStreamMaxStreams,
 			TokenReviewQPS: o.PolicyStreamTokenReviews, CARefresh: o.PolicyStreamCARefresh,
-			PodName: os.Getenv("POD_NAME"), PodNamespace: o.Namespace, Routes: keys.Routes})
+			PodName: os.Getenv("POD_NAME"), PodNamespace: o.Namespace, Routes: keys.Routes,
+			Recorder: mgr.GetEventRecorder("idemcp-policy-stream")})
 		keys.Stream = stream
 		if err := stream.Add(mgr); err != nil {
 			return nil, fmt.Errorf("adding the policy stream: %w", err)

@@ -34,6 +34,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	toolscache "k8s.io/client-go/tools/cache"
+	"k8s.io/client-go/tools/events"
 	"k8s.io/klog/v2"
 	"sigs.k8s.io/controller-runtime/pkg/cache"
 	"sigs.k8s.io/controller-runtime/pkg/certwatcher"
@@ -82,6 +83,9 @@ type Options struct {
 	// CARefresh is how often the CA bundle is read again and, if it
 	// changed, pushed to every sidecar (default 1m).
 	CARefresh time.Duration
+	// Recorder gets the Warning event of a policy whose sidecars report
+	// tools Auto deduplicates for want of annotations (nil: no events).
+	Recorder events.EventRecorder
 	// PodName and PodNamespace are the manager's own pod: the leader labels
 	// it LabelLeader, which the stream's Service selects. Empty: no label.
 	PodName, PodNamespace string
@@ -135,7 +139,10 @@ type policyState struct {
 	streams map[*stream]struct{}
 	dirty   bool
 	written string // the last status written, to skip identical writes
-	enc     *encodedSnapshot
+	// toolsWarned is the ToolsAnnotated message last sent as a Warning
+	// event, so each new list of unannotated tools is one event.
+	toolsWarned string
+	enc         *encodedSnapshot
 }
 
 type snapshot struct {

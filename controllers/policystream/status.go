@@ -134,6 +134,7 @@ func (s *Server) flush(ctx context.Context) {
 		t          tally
 		restart    map[string]bool
 		connected  map[string]bool
+		tools      map[string]*toolReport // by pod
 	}
 	var jobs []job
 	s.mu.Lock()
@@ -142,11 +143,14 @@ func (s *Server) flush(ctx context.Context) {
 			continue
 		}
 		st.dirty = false
-		j := job{key: key, generation: st.generation, t: tally{Version: st.snap.version}, restart: map[string]bool{}, connected: map[string]bool{}}
+		j := job{key: key, generation: st.generation, t: tally{Version: st.snap.version}, restart: map[string]bool{}, connected: map[string]bool{}, tools: map[string]*toolReport{}}
 		for c := range st.streams {
 			j.t.Connected++
 			j.connected[c.pod] = true
 			rep := c.report
+			if len(rep.Tools) > 0 || rep.ToolsOmitted > 0 {
+				j.tools[c.pod] = &toolReport{workload: "pod/" + c.pod, tools: rep.Tools, omitted: rep.ToolsOmitted}
+			}
 			switch {
 			case rep.Version == st.snap.version && rep.RestartRequired != "":
 				j.t.RestartRequired++
@@ -183,6 +187,9 @@ func (s *Server) flush(ctx context.Context) {
 				continue
 			}
 			injected++
+			if tr := j.tools[p.Name]; tr != nil {
+				tr.workload = workloadOf(p)
+			}
 			if !j.connected[p.Name] {
 				j.t.Unconnected = append(j.t.Unconnected, p.Name)
 			}
@@ -195,7 +202,12 @@ func (s *Server) flush(ctx context.Context) {
 		slices.Sort(workloads)
 		slices.Sort(j.t.Unconnected)
 		sidecars, cond := SidecarsStatus(j.key.Namespace, injected, j.t, workloads)
-		if err := s.writeStatus(ctx, j.key, j.generation, sidecars, cond); err != nil {
+		reports := make([]toolReport, 0, len(j.tools))
+		for _, tr := range j.tools {
+			reports = append(reports, *tr)
+		}
+		tools, omitted, toolsCond := ToolsStatus(reports)
+		if err := s.writeStatus(ctx, j.key, j.generation, streamStatus{sidecars: sidecars, synced: cond, tools: tools, toolsOmitted: omitted, toolsCond: toolsCond}); err != nil {
 			s.redo(j.key)
 			log.FromContext(ctx).Error(err, "Writing the sidecars' status failed", "policy", klog.KRef(j.key.Namespace, j.key.Name))
 		}
@@ -210,11 +222,23 @@ func (s *Server) redo(key types.NamespacedName) {
 	s.mu.Unlock()
 }
 
-// writeStatus applies status.sidecars and the SidecarsSynced condition
-// under the stream's own field manager, unless they are what it last wrote.
-func (s *Server) writeStatus(ctx context.Context, key types.NamespacedName, generation int64, sidecars v1alpha1.SidecarsStatus, cond metav1.Condition) error {
-	cond.ObservedGeneration = generation
-	fingerprint, _ := json.Marshal([]any{sidecars, cond})
+// streamStatus is what the policy stream owns of a policy's status.
+type streamStatus struct {
+	sidecars     v1alpha1.SidecarsStatus
+	synced       metav1.Condition
+	tools        []v1alpha1.ToolStatus
+	toolsOmitted int32
+	toolsCond    metav1.Condition
+}
+
+// writeStatus applies status.sidecars, status.tools and the
+// SidecarsSynced and ToolsAnnotated conditions under the stream's own
+// field manager, unless they are what it last wrote; a new list of tools
+// Auto deduplicates for want of annotations is also a Warning event.
+func (s *Server) writeStatus(ctx context.Context, key types.NamespacedName, generation int64, ss streamStatus) error {
+	ss.synced.ObservedGeneration = generation
+	ss.toolsCond.ObservedGeneration = generation
+	fingerprint, _ := json.Marshal([]any{ss.sidecars, ss.synced, ss.tools, ss.toolsOmitted, ss.toolsCond})
 	s.mu.Lock()
 	st := s.policies[key]
 	same := st != nil && st.written == string(fingerprint)
@@ -226,11 +250,14 @@ func (s *Server) writeStatus(ctx context.Context, key types.NamespacedName, gene
 	if err := s.pods.Get(ctx, key, &current); err != nil {
 		return client.IgnoreNotFound(err)
 	}
-	cond.LastTransitionTime = metav1.NewTime(time.Now())
-	if old := meta.FindStatusCondition(current.Status.Conditions, cond.Type); old != nil && old.Status == cond.Status {
-		cond.LastTransitionTime = old.LastTransitionTime
+	now := metav1.NewTime(time.Now())
+	for _, c := range []*metav1.Condition{&ss.synced, &ss.toolsCond} {
+		c.LastTransitionTime = now
+		if old := meta.FindStatusCondition(current.Status.Conditions, c.Type); old != nil && old.Status == c.Status {
+			c.LastTransitionTime = old.LastTransitionTime
+		}
 	}
-	err := ApplyStatus(ctx, s.client, key, sidecars, cond)
+	err := applyStreamStatus(ctx, s.client, key, ss)
 	if apierrors.IsNotFound(err) {
 		return nil
 	}
@@ -238,27 +265,65 @@ func (s *Server) writeStatus(ctx context.Context, key types.NamespacedName, gene
 		return fmt.Errorf("applying the status of %s: %w", key, err)
 	}
 	s.mu.Lock()
+	warn := false
 	if st := s.policies[key]; st != nil {
 		st.written = string(fingerprint)
+		if ss.toolsCond.Status == metav1.ConditionFalse && st.toolsWarned != ss.toolsCond.Message {
+			warn = true
+		}
+		st.toolsWarned = ""
+		if ss.toolsCond.Status == metav1.ConditionFalse {
+			st.toolsWarned = ss.toolsCond.Message
+		}
 	}
 	s.mu.Unlock()
+	if warn && s.opts.Recorder != nil {
+		s.opts.Recorder.Eventf(&current, nil, corev1.EventTypeWarning, v1alpha1.ReasonToolsUnannotated, "ClassifyTools", "%s", bounded.Note(ss.toolsCond.Message))
+	}
 	return nil
 }
 
 // ApplyStatus writes a policy's status.sidecars and one condition
 // (SidecarsSynced) with server-side apply under the policy stream's field
-// manager, the fields' one owner: the stream's sessions write them, and the
-// reconciler does when no stream runs (--policy-stream-bind-address=0).
+// manager, the fields' one owner: the stream's sessions write them (with
+// the tools), and the reconciler does when no stream runs
+// (--policy-stream-bind-address=0), when no sidecar reports its tools.
 func ApplyStatus(ctx context.Context, c client.Client, key types.NamespacedName, sidecars v1alpha1.SidecarsStatus, cond metav1.Condition) error {
-	sc, err := runtime.DefaultUnstructuredConverter.ToUnstructured(&sidecars)
+	return applyStreamStatus(ctx, c, key, streamStatus{sidecars: sidecars, synced: cond})
+}
+
+func applyStreamStatus(ctx context.Context, c client.Client, key types.NamespacedName, ss streamStatus) error {
+	sc, err := runtime.DefaultUnstructuredConverter.ToUnstructured(&ss.sidecars)
 	if err != nil {
 		return err
 	}
-	cc, err := runtime.DefaultUnstructuredConverter.ToUnstructured(&cond)
-	if err != nil {
-		return err
+	conds := []any{}
+	for _, cond := range []metav1.Condition{ss.synced, ss.toolsCond} {
+		if cond.Type == "" {
+			continue
+		}
+		cc, err := runtime.DefaultUnstructuredConverter.ToUnstructured(&cond)
+		if err != nil {
+			return err
+		}
+		conds = append(conds, cc)
 	}
-	u := &unstructured.Unstructured{Object: map[string]any{"status": map[string]any{"sidecars": sc, "conditions": []any{cc}}}}
+	status := map[string]any{"sidecars": sc, "conditions": conds}
+	if len(ss.tools) > 0 {
+		tools := make([]any, 0, len(ss.tools))
+		for i := range ss.tools {
+			t, err := runtime.DefaultUnstructuredConverter.ToUnstructured(&ss.tools[i])
+			if err != nil {
+				return err
+			}
+			tools = append(tools, t)
+		}
+		status["tools"] = tools
+	}
+	if ss.toolsOmitted > 0 {
+		status["toolsOmitted"] = int64(ss.toolsOmitted)
+	}
+	u := &unstructured.Unstructured{Object: map[string]any{"status": status}}
 	u.SetAPIVersion(v1alpha1.GroupVersion.String())
 	u.SetKind("IdempotencyPolicy")
 	u.SetNamespace(key.Namespace)

@@ -171,7 +171,25 @@ type Report struct {
 	// KeysReply, when set, makes this Report an answer to a KeysRequest:
 	// it says nothing new of the policy the sidecar enforces.
 	KeysReply *KeysReply `json:"keysReply,omitempty"`
+	// Tools are what the sidecar decided for the tools it has seen (at
+	// most MaxReportedTools), and ToolsOmitted how many more there are;
+	// the manager lists them in the policy's status. A sidecar sends a
+	// Report again, with its last nonce, whenever they change.
+	Tools        []Tool `json:"tools,omitempty"`
+	ToolsOmitted int    `json:"toolsOmitted,omitempty"`
 }
+
+// Tool is a sidecar's decision for one tool: its mode (Deduplicate or
+// Passthrough) and why (rule, readOnlyHint, idempotentHint, noAnnotations
+// or unknown).
+type Tool struct {
+	Name   string `json:"name"`
+	Mode   string `json:"mode"`
+	Reason string `json:"reason"`
+}
+
+// MaxReportedTools bounds the tools of one Report.
+const MaxReportedTools = 256
 
 // Decode reads one message. Unknown fields are ignored, as in xDS: a
 // policy field this sidecar does not know changes the hash it computes, so

@@ -51,6 +51,11 @@ type Engine struct {
 	instance string
 	pod      string
 	seq      atomic.Uint64
+	// keySpace is the MCP server the keys belong to (see Options.KeySpace).
+	keySpace string
+	// earlier are the policies in force before the current one, newest
+	// first, while records made under them may still be kept (history.go).
+	earlier atomic.Pointer[[]earlierPolicy]
 
 	unscoped     atomic.Uint64
 	unscopedOnce sync.Once
@@ -82,11 +87,18 @@ type Options struct {
 	// the defaults; a negative value, no bound.
 	MaxRunningPerPrincipal int
 	MaxRunning             int
+	// KeySpace names the MCP server whose calls these are: a workload
+	// (Deployment/api), or the name several workloads share as one server
+	// (idemcp.io/key-space). It is part of every key, so two servers under
+	// one policy and one store never replay each other's results. "": the
+	// keys of a sidecar with no workload (run by hand, whose store prefix
+	// names its upstream instead).
+	KeySpace string
 }
 
 // New returns an engine.
 func New(o Options) *Engine {
-	e := &Engine{store: o.Store, hints: NewToolHints(), metrics: o.Metrics, log: o.Logger, pod: o.Pod,
+	e := &Engine{store: o.Store, hints: NewToolHints(), metrics: o.Metrics, log: o.Logger, pod: o.Pod, keySpace: o.KeySpace,
 		waiters: newWaiters(o.MaxWaitersPerKey, o.MaxWaitersPerPrincipal),
 		running: newRunning(o.MaxRunningPerPrincipal, o.MaxRunning)}
 	if e.metrics == nil {
@@ -124,8 +136,18 @@ func New(o Options) *Engine {
 func (e *Engine) Policy() *policy.Policy { return e.policy.Load() }
 
 // SetPolicy swaps the policy atomically; calls already planned finish
-// under the policy they started with.
-func (e *Engine) SetPolicy(p *policy.Policy) { e.policy.Store(p) }
+// under the policy they started with. The policy replaced is remembered
+// while records made under it may be kept, so that a retry whose key the
+// change moved still finds its first call's result (history.go).
+func (e *Engine) SetPolicy(p *policy.Policy) {
+	old := e.policy.Swap(p)
+	if old != nil && old.Hash != p.Hash {
+		e.remember(old, time.Now())
+	}
+}
+
+// KeySpace is the MCP server the engine's keys belong to.
+func (e *Engine) KeySpace() string { return e.keySpace }
 
 // Hints are the tool annotations learned from tools/list.
 func (e *Engine) Hints() *ToolHints { return e.hints }
@@ -138,7 +160,7 @@ func (e *Engine) Metrics() *Metrics { return e.metrics }
 // classify). A call it passes through is counted by reason here, as it
 // never reaches Plan.
 func (e *Engine) Deduplicates(tool string) bool {
-	dedup, reason := e.classify(e.policy.Load().RuleFor(tool), tool)
+	dedup, reason := e.classify(e.policy.Load().RuleFor(tool), tool, nil)
 	if !dedup {
 		e.countClassified(dedup, reason)
 	}
@@ -206,6 +228,9 @@ type Plan struct {
 	// Tenant is who the caller is for the bounds that keep one caller from
 	// starving the others (see engine.Tenant).
 	Tenant string
+	// earlier are the keys and fingerprints the same call had under the
+	// policies in force before this one, where they differ (history.go).
+	earlier []earlierKey
 }
 
 // Plan decides whether a tools/call is deduplicated. It returns nil (and no
@@ -215,7 +240,7 @@ type Plan struct {
 func (e *Engine) Plan(tc *ToolCall, c Caller) (*Plan, error) {
 	p := e.policy.Load()
 	rule := p.RuleFor(tc.Name)
-	dedup, reason := e.classify(rule, tc.Name)
+	dedup, reason := e.classify(rule, tc.Name, c.Listing)
 	e.countClassified(dedup, reason)
 	if !dedup {
 		// A key on a call that is not deduplicated means nothing to us;
@@ -239,7 +264,8 @@ func (e *Engine) Plan(tc *ToolCall, c Caller) (*Plan, error) {
 	}
 	return &Plan{
 		Tool:        tc.Name,
-		Key:         deriveKey(rule, c, explicit, fp),
+		Key:         deriveKey(e.keySpace, rule, c, explicit, fp),
+		earlier:     e.earlierKeys(tc, c, explicit),
 		Fingerprint: fp,
 		Explicit:    explicit != "",
 		Rule:        rule,
@@ -306,6 +332,9 @@ type Outcome struct {
 // its key. It returns an *Error to answer without forwarding, or
 // ErrDetached if ctx ended while this call was running upstream.
 func (e *Engine) Execute(ctx context.Context, p *Plan, fwd Forward) (Outcome, error) {
+	if out, err, found := e.findEarlier(ctx, p); found {
+		return out, err
+	}
 	owner := e.instance + "-" + strconv.FormatUint(e.seq.Add(1), 36)
 	c := store.Claim{
 		Key:         p.Key,

@@ -115,10 +115,10 @@ func FuzzFingerprint(f *testing.F) {
 			}
 		}
 		rule := mustPolicy(t, "spec: {defaultMode: Deduplicate}").RuleFor(tool)
-		if (deriveKey(rule, alice, "", fa) == deriveKey(rule, alice, "", fb)) != (fa == fb) {
+		if (deriveKey("", rule, alice, "", fa) == deriveKey("", rule, alice, "", fb)) != (fa == fb) {
 			t.Fatal("derived keys do not follow fingerprints")
 		}
-		if deriveKey(rule, alice, "", fa) == deriveKey(rule, Caller{Principal: "Bearer bob"}, "", fa) {
+		if deriveKey("", rule, alice, "", fa) == deriveKey("", rule, Caller{Principal: "Bearer bob"}, "", fa) {
 			t.Fatal("two principals share a derived key")
 		}
 		if other, err := Fingerprint(tool+"x", json.RawMessage(a), nil); err == nil && other == fa {

@@ -6,10 +6,12 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/idemcp/idemcp/api/v1alpha1"
 	"github.com/idemcp/idemcp/internal/policy"
+	"github.com/idemcp/idemcp/internal/policywire"
 	"github.com/idemcp/idemcp/sidecar/mcpmsg"
 )
 
@@ -45,14 +47,19 @@ type hint struct {
 // idempotentHint: true pass through (running the tool again is safe, and
 // a fresh answer is what the caller wants); everything else, including a
 // tool the server did not annotate or did not list, is deduplicated.
-func (h *ToolHints) classify(mode v1alpha1.ToolMode, tool string) (dedup bool, reason string) {
+func (h *ToolHints) classify(mode v1alpha1.ToolMode, tool string, lc *ListingContext) (dedup bool, reason string) {
 	switch mode {
 	case v1alpha1.ModeDeduplicate:
 		return true, ByRule
 	case v1alpha1.ModePassthrough:
 		return false, ByRule
 	}
-	t, known := h.lookup(tool)
+	t, known := h.lookupIn(tool, lc)
+	return decide(t, known)
+}
+
+// decide is Auto's decision for a tool the listings said t of.
+func decide(t hint, known bool) (dedup bool, reason string) {
 	switch {
 	case !known || t.conflict:
 		return true, ByUnknown
@@ -70,8 +77,29 @@ func (h *ToolHints) classify(mode v1alpha1.ToolMode, tool string) (dedup bool, r
 }
 
 // classify is the engine's decision for one call under rule r.
-func (e *Engine) classify(r *policy.Rule, tool string) (dedup bool, reason string) {
-	return e.hints.classify(r.Mode, tool)
+func (e *Engine) classify(r *policy.Rule, tool string, lc *ListingContext) (dedup bool, reason string) {
+	return e.hints.classify(r.Mode, tool, lc)
+}
+
+// ListingContext is where a caller stands for the tools a server lists:
+// the capabilities its client declared at initialize, and its
+// credentials (the policy's principal header). A server may list some
+// tools only to some clients; a tool the sidecar's own listing does not
+// name is looked for in a listing made in the caller's context, sent to
+// the sidecar's configured endpoint only, where the call itself goes.
+type ListingContext struct {
+	// Capabilities is the client's initialize params.capabilities (nil:
+	// not known).
+	Capabilities json.RawMessage
+	// Header and Value are the principal header and the caller's value.
+	Header, Value string
+}
+
+// ContextLearner is a Learner that can also list the tools in a caller's
+// context. LearnIn returns what such a listing taught (nil: none could be
+// had in time); listings are cached per distinct context, boundedly.
+type ContextLearner interface {
+	LearnIn(lc ListingContext) *ToolHints
 }
 
 // countClassified counts a call in idemcp_tool_calls_classified_total.
@@ -165,7 +193,16 @@ type ToolHints struct {
 	// logged, joined.
 	reportMu sync.Mutex
 	reported string
+
+	// called are tools calls named that no listing had (bounded), for the
+	// policy's status; version counts the changes of what is known.
+	called  map[string]struct{}
+	version atomic.Uint64
 }
+
+// maxCalledUnknown bounds the unknown tools remembered for the status:
+// names come from clients.
+const maxCalledUnknown = 64
 
 // NewToolHints returns an empty set of hints.
 func NewToolHints() *ToolHints { return &ToolHints{tools: make(map[string]hint)} }
@@ -188,7 +225,11 @@ func (h *ToolHints) ReadOnly(tool string) bool {
 
 // lookup returns what the server said of the tool. For a tool it has not
 // heard of, it waits (boundedly) for a listing first.
-func (h *ToolHints) lookup(tool string) (hint, bool) {
+func (h *ToolHints) lookup(tool string) (hint, bool) { return h.lookupIn(tool, nil) }
+
+// lookupIn is lookup, then, for a tool still unknown, a listing in the
+// caller's context lc (when given and the learner can make one).
+func (h *ToolHints) lookupIn(tool string, lc *ListingContext) (hint, bool) {
 	h.mu.RLock()
 	t, known := h.tools[tool]
 	learner, wait, unknown := h.learner, h.wait, h.unknown
@@ -209,12 +250,35 @@ func (h *ToolHints) lookup(tool string) (hint, bool) {
 		if known {
 			return t, true
 		}
+		if cl, ok := learner.(ContextLearner); ok && lc != nil {
+			if in := cl.LearnIn(*lc); in != nil {
+				in.mu.RLock()
+				t, known = in.tools[tool]
+				in.mu.RUnlock()
+				if known {
+					return t, true
+				}
+			}
+		}
 	}
 	if unknown != nil {
 		unknown(tool)
 	}
+	h.mu.Lock()
+	if _, seen := h.called[tool]; !seen && len(h.called) < maxCalledUnknown {
+		if h.called == nil {
+			h.called = map[string]struct{}{}
+		}
+		h.called[tool] = struct{}{}
+		h.version.Add(1)
+	}
+	h.mu.Unlock()
 	return hint{}, false
 }
+
+// Version changes whenever what the hints know changes: a listing that
+// taught something new, or a call to a tool no listing named.
+func (h *ToolHints) Version() uint64 { return h.version.Load() }
 
 // Known reports whether a listing named the tool.
 func (h *ToolHints) Known(tool string) bool {
@@ -262,10 +326,74 @@ func (h *ToolHints) ObserveListResult(result json.RawMessage) string {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	for name, n := range page {
-		if _, known := h.tools[name]; !known && len(h.tools) >= maxHints {
+		old, known := h.tools[name]
+		if !known && len(h.tools) >= maxHints {
 			continue
 		}
+		if !known || old != n {
+			h.version.Add(1)
+		}
 		h.tools[name] = n
+		delete(h.called, name)
 	}
 	return next
 }
+
+// ToolDecisions is what the engine decides, under the policy in force,
+// for every tool it has seen: each tool a listing named, and each tool a
+// call named that none did. Those Auto deduplicates for want of
+// annotations come first, then by name; at most limit are returned, with
+// how many were left out. The policy stream reports them to the manager,
+// which lists them in the policy's status.
+func (e *Engine) ToolDecisions(limit int) (tools []policywire.Tool, omitted int) {
+	p := e.policy.Load()
+	h := e.hints
+	h.mu.RLock()
+	all := make([]policywire.Tool, 0, len(h.tools)+len(h.called))
+	add := func(name string, t hint, known bool) {
+		r := p.RuleFor(name)
+		var dedup bool
+		var reason string
+		switch r.Mode {
+		case v1alpha1.ModeDeduplicate:
+			dedup, reason = true, ByRule
+		case v1alpha1.ModePassthrough:
+			dedup, reason = false, ByRule
+		default:
+			dedup, reason = decide(t, known)
+		}
+		mode := v1alpha1.ModePassthrough
+		if dedup {
+			mode = v1alpha1.ModeDeduplicate
+		}
+		all = append(all, policywire.Tool{Name: name, Mode: string(mode), Reason: reason})
+	}
+	for name, t := range h.tools {
+		add(name, t, true)
+	}
+	for name := range h.called {
+		add(name, hint{}, false)
+	}
+	h.mu.RUnlock()
+	slices.SortFunc(all, func(a, b policywire.Tool) int {
+		if wa, wb := warns(a.Reason), warns(b.Reason); wa != wb {
+			if wa {
+				return -1
+			}
+			return 1
+		}
+		return strings.Compare(a.Name, b.Name)
+	})
+	if len(all) > limit {
+		return all[:limit], len(all) - limit
+	}
+	return all, 0
+}
+
+// warns reports whether Auto deduplicates a tool for want of the
+// server's word: no annotations, or not listed.
+func warns(reason string) bool { return reason == ByNoAnnotations || reason == ByUnknown }
+
+// ToolsVersion changes whenever ToolDecisions may have (but for a policy
+// change, which the stream reports anyway).
+func (e *Engine) ToolsVersion() uint64 { return e.hints.Version() }

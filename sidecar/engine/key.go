@@ -54,6 +54,9 @@ type Caller struct {
 	// Session is the Mcp-Session-Id, or a run id for stdio; "" when the
 	// server is stateless.
 	Session string
+	// Listing is where the caller stands for the tools the server lists
+	// (nil: the sidecar's own listing only).
+	Listing *ListingContext
 	// Local marks the one user of a local stdio wrapper: with no principal,
 	// its explicit keys are still its own across runs (and machines sharing
 	// a Redis), as `idemcp wrap` documents. A network caller with no
@@ -152,8 +155,15 @@ func explicitScope(rule *policy.Rule, c Caller) (scope string, ok bool) {
 // deriveKey returns the store key for a call: only hashes, never the raw
 // arguments or the raw explicit key. An explicit key must have a scope
 // (Plan checks explicitScope first).
-func deriveKey(rule *policy.Rule, c Caller, explicit, fingerprint string) string {
+func deriveKey(keySpace string, rule *policy.Rule, c Caller, explicit, fingerprint string) string {
 	h := make([]byte, 0, 256)
+	if keySpace != "" {
+		// One key space per MCP server: two workloads under one policy
+		// never share a key. Without one, the key is as it always was.
+		h = append(h, "space\x00"...)
+		h = append(h, keySpace...)
+		h = append(h, 0)
+	}
 	if explicit != "" {
 		// Explicit keys are always the caller's own: another principal
 		// (or, for anonymous callers, another session) using the same key

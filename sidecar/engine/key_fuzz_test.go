@@ -52,7 +52,7 @@ func FuzzExplicitKey(f *testing.F) {
 		rule := mustPolicy(t, "spec: {defaultMode: Deduplicate}").RuleFor("t")
 		bob := c
 		bob.Principal = "Bearer bob"
-		if deriveKey(rule, c, got, "f") == deriveKey(rule, bob, got, "f") {
+		if deriveKey("", rule, c, got, "f") == deriveKey("", rule, bob, got, "f") {
 			t.Fatalf("key %q: two principals share a derived key", k)
 		}
 	})

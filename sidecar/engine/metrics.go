@@ -12,6 +12,9 @@ type Metrics struct {
 	Panics      *prometheus.CounterVec
 	OverLimit   *prometheus.CounterVec
 	Running     prometheus.Gauge
+	// EarlierReplays counts replays found under the key a call had before
+	// a policy change moved it (history.go).
+	EarlierReplays prometheus.Counter
 }
 
 // Outcome labels of idemcp_tool_calls_total.
@@ -61,9 +64,13 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name: "idemcp_calls_running",
 			Help: "Deduplicated calls running upstream, those whose client left included, and calls forwarded under FailOpen.",
 		}),
+		EarlierReplays: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "idemcp_replays_under_earlier_policy_total",
+			Help: "Retries replayed from the key they had under an earlier policy, because a live change of keyScope or ignoreArguments moved their key; they are also counted as replayed.",
+		}),
 	}
 	if reg != nil {
-		reg.MustRegister(m.Calls, m.Classified, m.NotStored, m.StoreErrors, m.TakeOvers, m.Panics, m.OverLimit, m.Running)
+		reg.MustRegister(m.Calls, m.Classified, m.NotStored, m.StoreErrors, m.TakeOvers, m.Panics, m.OverLimit, m.Running, m.EarlierReplays)
 	}
 	return m
 }

@@ -115,10 +115,11 @@ type Proxy struct {
 	log     *slog.Logger
 	cancels *engine.InFlight[struct{}]
 	flights *flights
-	legacy  legacyHub // legacy HTTP+SSE sessions (legacy.go)
-	resumes resumeHub // calls whose response comes on a resumed stream (resume.go)
-	streams *streams  // requests held open, bounded (limits.go)
-	taps    tapBudget // what tools/list taps hold, bounded (tap.go)
+	legacy  legacyHub  // legacy HTTP+SSE sessions (legacy.go)
+	clients clientCaps // what each session's client declared (caps.go)
+	resumes resumeHub  // calls whose response comes on a resumed stream (resume.go)
+	streams *streams   // requests held open, bounded (limits.go)
+	taps    tapBudget  // what tools/list taps hold, bounded (tap.go)
 	// sharedCalls counts legacy tools/call requests not deduplicated
 	// because two live sessions share their endpoint.
 	sharedCalls prometheus.Counter
@@ -322,6 +323,8 @@ func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	switch msg.Method {
+	case "initialize":
+		p.forwardInitialize(w, r, body, msg)
 	case "tools/call":
 		p.serveToolCall(w, r, body, msg, hdrMethod)
 	case "tools/list":
@@ -368,11 +371,14 @@ func (p *Proxy) serveToolCall(w http.ResponseWriter, r *http.Request, body []byt
 		}
 	}
 	key, hasKey := headerValue(r.Header, HeaderIdempotencyKey)
+	principalHeader := p.engine.Policy().PrincipalHeader
+	session := r.Header.Get(HeaderSessionID)
 	plan, err := p.engine.Plan(tc, engine.Caller{
 		HeaderKey:    key,
 		HasHeaderKey: hasKey,
-		Principal:    r.Header.Get(p.engine.Policy().PrincipalHeader),
-		Session:      r.Header.Get(HeaderSessionID),
+		Principal:    r.Header.Get(principalHeader),
+		Session:      session,
+		Listing:      p.listingContext(session, principalHeader, r.Header.Get(principalHeader)),
 	})
 	if err != nil {
 		p.writeEngineError(w, r, msg.ID, err)

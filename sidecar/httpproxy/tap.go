@@ -103,6 +103,7 @@ func (p *Proxy) tapHeld() int64 {
 // modifyResponse is the passthrough path's ReverseProxy.ModifyResponse.
 func (p *Proxy) modifyResponse(resp *http.Response) error {
 	closeIfBodyUnread(resp.Request.Context(), resp.StatusCode, resp.Header)
+	p.rememberClient(resp)
 	return p.tapToolsList(resp)
 }
 

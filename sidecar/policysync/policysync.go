@@ -41,6 +41,18 @@ type UnscopedCounter interface {
 	UnscopedCalls() uint64
 }
 
+// ToolReporter is implemented by an engine that reports what it decided
+// for each tool it has seen; the decisions ride on every report, and a
+// change of them sends one.
+type ToolReporter interface {
+	ToolDecisions(limit int) ([]policywire.Tool, int)
+	ToolsVersion() uint64
+}
+
+// toolsCheck is how often the client looks for new tool decisions to
+// report.
+const toolsCheck = 500 * time.Millisecond
+
 // Options configure a Client.
 type Options struct {
 	// Endpoint is the manager's stream, such as
@@ -346,7 +358,10 @@ func (c *Client) session(ctx context.Context) (got bool, err error) {
 	// stopped reading ends the stream instead of stopping this loop.
 	timer := time.NewTimer(c.o.ReportTimeout)
 	defer timer.Stop()
+	var sendMu sync.Mutex
 	send := func(r policywire.Report) error {
+		sendMu.Lock()
+		defer sendMu.Unlock()
 		timer.Reset(c.o.ReportTimeout)
 		select {
 		case reports <- r:
@@ -359,12 +374,54 @@ func (c *Client) session(ctx context.Context) (got bool, err error) {
 			return fmt.Errorf("the manager took no report for %v; reconnecting", c.o.ReportTimeout)
 		}
 	}
+	// The last answer, repeated with new tool decisions when they change.
+	var lastMu sync.Mutex
+	var lastNonce, lastRestart, lastNack string
+	answer := func(nonce, restart, nack string) error {
+		lastMu.Lock()
+		lastNonce, lastRestart, lastNack = nonce, restart, nack
+		r := c.report(nonce, restart, nack)
+		lastMu.Unlock()
+		return send(r)
+	}
+	if tr, ok := c.o.Engine.(ToolReporter); ok {
+		sent := tr.ToolsVersion()
+		toolsErr := make(chan error, 1)
+		go func() {
+			t := time.NewTicker(toolsCheck)
+			defer t.Stop()
+			for {
+				select {
+				case <-ctx.Done():
+					return
+				case <-t.C:
+				}
+				if v := tr.ToolsVersion(); v != sent {
+					sent = v
+					lastMu.Lock()
+					r := c.report(lastNonce, lastRestart, lastNack)
+					lastMu.Unlock()
+					if err := send(r); err != nil {
+						toolsErr <- err
+						cancel()
+						return
+					}
+				}
+			}
+		}()
+		defer func() {
+			select {
+			case err = <-toolsErr:
+			default:
+			}
+		}()
+	}
 	sc := bufio.NewScanner(resp.Body)
 	sc.Buffer(make([]byte, 0, 16<<10), policywire.MaxMessageBytes)
 	for sc.Scan() {
 		var snap policywire.Snapshot
 		if err := policywire.Decode(sc.Bytes(), &snap); err != nil {
-			if err := send(c.report("", "", err.Error())); err != nil {
+			if err := answer("", "", err.Error()); err != nil {
 				return got, err
 			}
 			continue
@@ -380,7 +437,7 @@ func (c *Client) session(ctx context.Context) (got bool, err error) {
 			c.log.Info("Trusting the manager's current CA bundle for the next connections")
 		}
 		restart, nack := c.apply(&snap)
-		if err := send(c.report(snap.Nonce, restart, nack)); err != nil {
+		if err := answer(snap.Nonce, restart, nack); err != nil {
 			return got, err
 		}
 	}
@@ -467,6 +524,9 @@ func (c *Client) report(nonce, restart, nack string) policywire.Report {
 	if u, ok := c.o.Engine.(UnscopedCounter); ok {
 		n := u.UnscopedCalls()
 		r.UnscopedCalls = &n
+	}
+	if tr, ok := c.o.Engine.(ToolReporter); ok {
+		r.Tools, r.ToolsOmitted = tr.ToolDecisions(policywire.MaxReportedTools)
 	}
 	return r
 }

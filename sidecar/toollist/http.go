@@ -63,8 +63,9 @@ func NewHTTP(client *http.Client, upstream *url.URL, host string) *HTTP {
 func (h *HTTP) OnChanged(f func()) { h.changed.Store(&f) }
 
 // target is where the lister's requests go: a URL, and the Host they
-// carry ("": the URL's).
-type target struct{ url, host string }
+// carry ("": the URL's); header and value, when set, are a caller's
+// credentials, for a listing in its context.
+type target struct{ url, host, header, value string }
 
 func (t target) String() string { return t.url }
 
@@ -123,12 +124,48 @@ func (w *watchWriter) Flush() {
 // Unwrap lets http.ResponseController reach the real writer.
 func (w *watchWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }
 
-// List does one listing on a session of its own: initialize, then
-// tools/list page by page with the session's id, then DELETE the session.
+// List does one listing on a session of its own: over Streamable HTTP,
+// or, when the server refuses that as a legacy HTTP+SSE (2024-11-05)
+// server does, over legacy SSE (legacy.go).
 func (h *HTTP) List(ctx context.Context, hints *engine.ToolHints) error {
+	err := h.listStreamable(ctx, hints, nil)
+	if !errors.Is(err, errNotStreamable) {
+		return err
+	}
+	if lerr := h.listLegacy(ctx, hints); lerr != nil {
+		return fmt.Errorf("%w; over legacy SSE: %w", err, lerr)
+	}
+	return nil
+}
+
+// ListIn does one Streamable HTTP listing in a caller's context: its
+// session is initialized with the capabilities the caller's client
+// declared, and every request carries the caller's credentials, to the
+// configured endpoint only (where the caller's own call goes). It runs
+// nothing: initialize, tools/list, DELETE.
+func (h *HTTP) ListIn(ctx context.Context, hints *engine.ToolHints, lc engine.ListingContext) error {
+	return h.listStreamable(ctx, hints, &lc)
+}
+
+// listStreamable does one Streamable HTTP listing: initialize, then
+// tools/list page by page with the session's id, then DELETE the session.
+func (h *HTTP) listStreamable(ctx context.Context, hints *engine.ToolHints, lc *engine.ListingContext) error {
 	endpoint := h.endpoint()
-	init := fmt.Sprintf(`{"protocolVersion":%q,"capabilities":{},"clientInfo":{"name":"idemcp","version":"1"}}`, listVersion)
+	caps := json.RawMessage(`{}`)
+	if lc != nil {
+		if len(lc.Capabilities) > 0 && lc.Capabilities[0] == '{' && json.Valid(lc.Capabilities) {
+			caps = lc.Capabilities
+		}
+		if lc.Header != "" && lc.Value != "" {
+			endpoint.header, endpoint.value = lc.Header, lc.Value
+		}
+	}
+	init := fmt.Sprintf(`{"protocolVersion":%q,"capabilities":%s,"clientInfo":{"name":"idemcp","version":"1"}}`, listVersion, caps)
 	res, hdr, err := h.call(ctx, endpoint, "initialize", json.RawMessage(init), "", "")
+	var status *statusError
+	if errors.As(err, &status) && (status.code == http.StatusBadRequest || status.code == http.StatusNotFound || status.code == http.StatusMethodNotAllowed) {
+		return fmt.Errorf("initializing a session with %s: %w (HTTP %d)", endpoint, errNotStreamable, status.code)
+	}
 	if err != nil {
 		return fmt.Errorf("initializing a session with %s: %w", endpoint, err)
 	}
@@ -171,6 +208,9 @@ func (h *HTTP) newRequest(ctx context.Context, method string, endpoint target, b
 	if endpoint.host != "" {
 		req.Host = endpoint.host
 	}
+	if endpoint.header != "" {
+		req.Header.Set(endpoint.header, endpoint.value)
+	}
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("Accept", "application/json, text/event-stream")
 	req.Header.Set("User-Agent", UserAgent)
@@ -198,7 +238,7 @@ func (h *HTTP) call(ctx context.Context, endpoint target, method string, params 
 	}
 	defer func() { _ = resp.Body.Close() }()
 	if resp.StatusCode != http.StatusOK {
-		return nil, nil, fmt.Errorf("HTTP %d", resp.StatusCode)
+		return nil, nil, &statusError{code: resp.StatusCode}
 	}
 	msg, err := readResponse(resp, id)
 	if err != nil {
@@ -272,3 +312,8 @@ func (h *HTTP) deleteSession(endpoint target, session, version string) {
 		_ = resp.Body.Close()
 	}
 }
+
+// statusError is a listing request answered with another status than 200.
+type statusError struct{ code int }
+
+func (e *statusError) Error() string { return fmt.Sprintf("HTTP %d", e.code) }

@@ -10,6 +10,7 @@ package toollist
 
 import (
 	"context"
+	"crypto/sha256"
 	"fmt"
 	"log/slog"
 	"sync"
@@ -43,6 +44,23 @@ type Options struct {
 	// Listed, when set, is called after each listing that succeeded: at
 	// start and on each change of the list (engine.ReportAnnotations).
 	Listed func()
+	// ListIn, when set, does one listing in a caller's context (its
+	// client's capabilities and credentials), for a tool the sidecar's
+	// own listing does not name.
+	ListIn func(ctx context.Context, hints *engine.ToolHints, lc engine.ListingContext) error
+}
+
+// maxContexts bounds the callers' contexts whose listings are kept.
+const maxContexts = 256
+
+// contextTTL is how long a listing in a caller's context is reused.
+const contextTTL = time.Minute
+
+// contextListing is one listing in a caller's context.
+type contextListing struct {
+	hints *engine.ToolHints
+	done  chan struct{}
+	at    time.Time
 }
 
 // Lister is safe for concurrent use.
@@ -57,6 +75,65 @@ type Lister struct {
 	ok      bool          // whether any listing succeeded
 	failing bool          // whether the last listing failed (warned once)
 	base    context.Context
+
+	contexts map[string]*contextListing // by contextKey
+}
+
+// contextKey names a caller's context by a hash: credentials are never
+// kept as map keys.
+func contextKey(lc engine.ListingContext) string {
+	h := sha256.New()
+	h.Write(lc.Capabilities)
+	h.Write([]byte{0})
+	h.Write([]byte(lc.Header))
+	h.Write([]byte{0})
+	h.Write([]byte(lc.Value))
+	return string(h.Sum(nil))
+}
+
+// LearnIn implements engine.ContextLearner: it lists the tools in lc's
+// context, or joins the listing of the same context made less than
+// contextTTL ago, and waits for it at most Wait.
+func (l *Lister) LearnIn(lc engine.ListingContext) *engine.ToolHints {
+	if l.o.ListIn == nil {
+		return nil
+	}
+	key := contextKey(lc)
+	now := time.Now()
+	l.mu.Lock()
+	c := l.contexts[key]
+	if c == nil || now.Sub(c.at) > contextTTL {
+		if l.contexts == nil || len(l.contexts) >= maxContexts {
+			for k, old := range l.contexts {
+				if now.Sub(old.at) > contextTTL || len(l.contexts) >= maxContexts {
+					delete(l.contexts, k)
+				}
+			}
+			if l.contexts == nil {
+				l.contexts = map[string]*contextListing{}
+			}
+		}
+		c = &contextListing{hints: engine.NewToolHints(), done: make(chan struct{}), at: now}
+		l.contexts[key] = c
+		base := l.base
+		go func() {
+			defer close(c.done)
+			defer func() { _ = recover() }() // what a server sends never ends the process
+			ctx, cancel := context.WithTimeout(base, l.o.Timeout)
+			defer cancel()
+			if err := l.o.ListIn(ctx, c.hints, lc); err != nil {
+				l.o.Logger.Debug("Listing the MCP server's tools in a caller's context failed", "err", err)
+			}
+		}()
+	}
+	l.mu.Unlock()
+	timer := time.NewTimer(l.o.Wait)
+	defer timer.Stop()
+	select {
+	case <-c.done:
+	case <-timer.C:
+	}
+	return c.hints
 }
 
 // New returns a Lister and makes hints use it.
