@@ -25,7 +25,6 @@ import (
 	"github.com/idemcp/idemcp/sidecar/store"
 )
 
-
 // Options configure a Protocol.
 type Options struct {
 	Store store.Store
