@@ -110,10 +110,12 @@ func splitTrace(stored []byte) ([]byte, trace.SpanContext) {
 }
 
 // storeOp runs one store round trip, as a child span of the call's span
-// when that one is recorded (and with no cost when it is not).
+// when that one is sampled (and with no cost when it is not). The call's
+// span may have ended (its client left, and the call settles detached):
+// its store spans are still its children.
 func storeOp(ctx context.Context, op string, fn func(context.Context) error) error {
 	parent := trace.SpanFromContext(ctx)
-	if !parent.IsRecording() {
+	if !parent.SpanContext().IsSampled() {
 		return fn(ctx)
 	}
 	ctx, span := parent.TracerProvider().Tracer(tracing.ScopeName).Start(ctx, "idemcp.store "+op,
