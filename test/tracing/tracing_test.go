@@ -10,6 +10,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
@@ -62,7 +63,7 @@ func receiver(t *testing.T) (endpoint string, spans func() []span) {
 	out, err := exec.Command("../../hack/setup-otlp-receiver.sh").Output()
 	if err != nil {
 		var stderr string
-		if ee, ok := err.(*exec.ExitError); ok {
+		if ee := (*exec.ExitError)(nil); errors.As(err, &ee) {
 			stderr = string(ee.Stderr)
 		}
 		t.Fatalf("building the OTLP receiver (hack/setup-otlp-receiver.sh): %v\n%s", err, stderr)
@@ -93,7 +94,7 @@ func receiver(t *testing.T) (endpoint string, spans func() []span) {
 		if err != nil {
 			return nil
 		}
-		defer f.Close()
+		defer func() { _ = f.Close() }()
 		var all []span
 		sc := bufio.NewScanner(f)
 		sc.Buffer(nil, 1<<20)
@@ -173,7 +174,7 @@ func agentCall(client *http.Client, url, headerParent, metaParent string) (map[s
 	if err != nil {
 		return nil, err
 	}
-	defer resp.Body.Close()
+	defer func() { _ = resp.Body.Close() }()
 	raw, err := io.ReadAll(resp.Body)
 	if err != nil {
 		return nil, err
