@@ -70,6 +70,10 @@ test-deps: ## Install what the tests need that Go does not fetch (the npm packag
 	@if [ -f $(TS_INTEROP)/package-lock.json ] && ! cmp -s $(TS_INTEROP)/package-lock.json $(TS_INTEROP)/node_modules/.idemcp-installed-lock; then \
 		npm ci --prefix $(TS_INTEROP) --no-audit --no-fund && cp $(TS_INTEROP)/package-lock.json $(TS_INTEROP)/node_modules/.idemcp-installed-lock; fi
 
+.PHONY: otlp-receiver
+otlp-receiver: ## Build (once, cached outside the checkout) the OTLP receiver the tracing test exports to (hack/otlp-receiver: the Collector's otlpreceiver).
+	@hack/setup-otlp-receiver.sh >/dev/null
+
 .PHONY: envtest
 envtest: ## Build (once, cached outside the checkout) the kube-apiserver, etcd and kubectl the controller tests run.
 	@hack/setup-envtest.sh >/dev/null

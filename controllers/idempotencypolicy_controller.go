@@ -11,6 +11,10 @@ import (
 	"strings"
 	"time"
 
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/trace"
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	networkingv1 "k8s.io/api/networking/v1"
@@ -37,6 +41,7 @@ import (
 	"github.com/idemcp/idemcp/internal/bounded"
 	"github.com/idemcp/idemcp/internal/credentials"
 	"github.com/idemcp/idemcp/internal/policy"
+	"github.com/idemcp/idemcp/internal/tracing"
 )
 
 // FieldManager is the server-side apply field manager of the status the
@@ -85,7 +90,17 @@ type IdempotencyPolicyReconciler struct {
 // +kubebuilder:rbac:groups=events.k8s.io,resources=events,verbs=create;patch
 
 // Reconcile brings one policy's children and status in line with its spec.
-func (r *IdempotencyPolicyReconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, error) {
+func (r *IdempotencyPolicyReconciler) Reconcile(ctx context.Context, req ctrl.Request) (_ ctrl.Result, err error) {
+	// A span per reconcile (the manager's --tracing sets the provider;
+	// otherwise it is the no-op one).
+	ctx, span := otel.Tracer(tracing.ScopeName).Start(ctx, "reconcile IdempotencyPolicy",
+		trace.WithAttributes(attribute.String("k8s.namespace.name", req.Namespace), tracing.PolicyName.String(req.Name)))
+	defer func() {
+		if err != nil {
+			span.SetStatus(codes.Error, err.Error())
+		}
+		span.End()
+	}()
 	var p v1alpha1.IdempotencyPolicy
 	if err := r.Get(ctx, req.NamespacedName, &p); err != nil {
 		return ctrl.Result{}, client.IgnoreNotFound(err)

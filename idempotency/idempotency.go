@@ -63,7 +63,13 @@ import (
 	"sync"
 	"time"
 
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/trace"
+
 	"github.com/idemcp/idemcp/internal/claim"
+	"github.com/idemcp/idemcp/internal/tracing"
 	"github.com/idemcp/idemcp/sidecar/store"
 	pgstore "github.com/idemcp/idemcp/sidecar/store/postgres"
 	redisstore "github.com/idemcp/idemcp/sidecar/store/redis"
@@ -253,6 +259,14 @@ type Options struct {
 	// could not be kept, claims taken over, panics in fn (nil:
 	// slog.Default()).
 	Logger *slog.Logger
+	// TracerProvider gets a span for every Do, "idempotency.Do", with its
+	// outcome (idemcp.outcome: executed, replayed, waited, conflict,
+	// in-flight, outcome-unknown, store-unavailable), a short hash of the
+	// key (never the key), child spans for the store's round trips, and a
+	// link from a replay to the span of the call that ran fn (nil:
+	// otel.GetTracerProvider(), which traces nothing until the program
+	// sets one). fn runs under the span.
+	TracerProvider trace.TracerProvider
 }
 
 // Bounds Options.Validate checks.
@@ -296,6 +310,8 @@ type flight struct {
 	done        chan struct{}
 	value       []byte
 	err         error
+	// execution is the span of the call whose result value is.
+	execution trace.SpanContext
 }
 
 // NewGroup returns a Group keeping its records in s. If s is nil or o is
@@ -390,6 +406,14 @@ func (g *Group) Do(ctx context.Context, key, fingerprint string, fn func(ctx con
 		return nil, false, errors.New("idempotency: empty key")
 	}
 	skey, sfp := hash("key", key), hash("fingerprint", fingerprint)
+	tp := g.opts.TracerProvider
+	if tp == nil {
+		tp = otel.GetTracerProvider()
+	}
+	ctx, span := tp.Tracer(tracing.ScopeName).Start(ctx, "idempotency.Do", trace.WithAttributes(tracing.KeyHashAttr.String(tracing.KeyHash(skey))))
+	ds := &doSpan{span: span}
+	ctx = context.WithValue(ctx, doSpanKey{}, ds)
+	defer func() { ds.end(err) }()
 	var waitUntil <-chan time.Time
 	if g.opts.WaitTimeout > 0 {
 		t := time.NewTimer(g.opts.WaitTimeout)
@@ -408,9 +432,11 @@ func (g *Group) Do(ctx context.Context, key, fingerprint string, fn func(ctx con
 		g.mu.Unlock()
 		// A call with this key runs in this process: wait for it here.
 		if f.fingerprint != sfp {
+			ds.outcome(tracing.OutcomeConflict)
 			return nil, false, fmt.Errorf("key %q: %w", key, ErrConflict)
 		}
 		if g.opts.WaitTimeout < 0 {
+			ds.outcome(tracing.OutcomeInFlight)
 			return nil, false, fmt.Errorf("key %q: %w", key, ErrInFlight)
 		}
 		select {
@@ -418,9 +444,12 @@ func (g *Group) Do(ctx context.Context, key, fingerprint string, fn func(ctx con
 		case <-ctx.Done():
 			return nil, false, ctx.Err()
 		case <-waitUntil:
+			ds.outcome(tracing.OutcomeInFlight)
 			return nil, false, fmt.Errorf("key %q: %w after waiting %s", key, ErrInFlight, g.opts.WaitTimeout)
 		}
 		if f.err == nil {
+			ds.outcome(tracing.OutcomeWaited)
+			ds.link(f.execution)
 			return f.value, true, nil
 		}
 		if errors.Is(f.err, ErrConflict) || errors.Is(f.err, ErrOutcomeUnknown) {
@@ -442,6 +471,7 @@ func (g *Group) lead(ctx context.Context, f *flight, key, skey, sfp string, fn f
 	defer func() {
 		// Whatever happened, the key is free in this process again.
 		f.value, f.err = value, err
+		f.execution = doSpanOf(ctx).executionOf()
 		if !returned {
 			// Panicking (or exiting the goroutine): the waiters must not
 			// take the zero result for one.
@@ -467,13 +497,17 @@ func (g *Group) claim(ctx context.Context, key, fp string, fn func(context.Conte
 	c := store.Claim{Key: key, Fingerprint: fp, Owner: owner, Lease: g.opts.Lease,
 		Retention: max(g.opts.TTL, g.opts.Lease), TakeOver: !g.opts.AbandonedError}
 	r, err := g.claims.Reserve(ctx, c, claim.Waits{Timeout: g.opts.WaitTimeout, Reject: g.opts.WaitTimeout < 0})
+	ds := doSpanOf(ctx)
 	switch {
 	case err == nil:
 	case errors.Is(err, claim.ErrConflict):
+		ds.outcome(tracing.OutcomeConflict)
 		return nil, false, ErrConflict
 	case errors.Is(err, claim.ErrInFlight):
+		ds.outcome(tracing.OutcomeInFlight)
 		return nil, false, ErrInFlight
 	case errors.Is(err, claim.ErrWaitTimeout):
+		ds.outcome(tracing.OutcomeInFlight)
 		return nil, false, fmt.Errorf("%w after waiting %s", ErrInFlight, g.opts.WaitTimeout)
 	default:
 		unavailable := (*claim.UnavailableError)(nil)
@@ -482,8 +516,10 @@ func (g *Group) claim(ctx context.Context, key, fp string, fn func(context.Conte
 		}
 		if unavailable.Held {
 			// Another process holds the key: never run fn beside it.
+			ds.outcome(tracing.OutcomeInFlight)
 			return nil, false, fmt.Errorf("%w: the store became unreachable while waiting: %w", ErrInFlight, unavailable.Err)
 		}
+		ds.outcome(tracing.OutcomeStoreUnavailable)
 		if g.opts.FailOpen {
 			v, err := callUnclaimed(ctx, fn)
 			return v, false, err
@@ -512,11 +548,20 @@ func (g *Group) claim(ctx context.Context, key, fp string, fn func(context.Conte
 		}
 		if r.TookOver {
 			g.log.Warn("Took over an abandoned claim: its process stopped mid-call, and fn runs again", "key", key)
+			ds.span.SetAttributes(tracing.TookOver.Bool(true))
 		}
+		ds.outcome(tracing.OutcomeExecuted)
 		return g.run(ctx, key, owner, fn)
 	case store.Completed:
+		if r.Waited {
+			ds.outcome(tracing.OutcomeWaited)
+		} else {
+			ds.outcome(tracing.OutcomeReplayed)
+		}
+		ds.link(r.Execution)
 		return r.Response, true, nil
 	default: // store.Abandoned
+		ds.outcome(tracing.OutcomeOutcomeUnknown)
 		return nil, false, ErrOutcomeUnknown
 	}
 }
@@ -603,4 +648,71 @@ func DoJSON[T any](ctx context.Context, g *Group, key, fingerprint string, fn fu
 		return v, replayed, fmt.Errorf("idempotency: decoding the kept result: %w", err)
 	}
 	return v, replayed, nil
+}
+
+// doSpan is the span of one Do.
+type doSpan struct {
+	span    trace.Span
+	decided string
+	// linked is the execution a replay was linked to.
+	linked trace.SpanContext
+}
+
+type doSpanKey struct{}
+
+func doSpanOf(ctx context.Context) *doSpan {
+	ds, _ := ctx.Value(doSpanKey{}).(*doSpan)
+	return ds
+}
+
+func (d *doSpan) outcome(o string) {
+	if d != nil && d.decided == "" {
+		d.decided = o
+		d.span.SetAttributes(tracing.Outcome.String(o))
+	}
+}
+
+func (d *doSpan) link(sc trace.SpanContext) {
+	if d != nil && sc.IsValid() {
+		d.linked = sc
+		d.span.AddLink(trace.Link{SpanContext: sc, Attributes: []attribute.KeyValue{attribute.String("idemcp.link", "execution")}})
+	}
+}
+
+// executionOf is the span of the call whose result this Do returns: its
+// own if it ran fn, the linked one if it replayed.
+func (d *doSpan) executionOf() trace.SpanContext {
+	if d == nil {
+		return trace.SpanContext{}
+	}
+	if d.linked.IsValid() {
+		return d.linked
+	}
+	return d.span.SpanContext()
+}
+
+func (d *doSpan) end(err error) {
+	if err != nil {
+		d.span.SetStatus(codes.Error, "")
+		d.span.SetAttributes(tracing.ErrorType.String(doErrorType(err)))
+	}
+	d.span.End()
+}
+
+// doErrorType names Do's error for a span, without its message (which
+// names the key).
+func doErrorType(err error) string {
+	switch {
+	case errors.Is(err, ErrConflict):
+		return "conflict"
+	case errors.Is(err, ErrInFlight):
+		return "in_flight"
+	case errors.Is(err, ErrOutcomeUnknown):
+		return "decidedunknown"
+	case errors.Is(err, ErrStoreUnavailable):
+		return "store_unavailable"
+	case errors.Is(err, context.Canceled), errors.Is(err, context.DeadlineExceeded):
+		return "canceled"
+	}
+	return "fn_error"
 }

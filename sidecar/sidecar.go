@@ -27,6 +27,7 @@ import (
 
 	"github.com/idemcp/idemcp/internal/cli"
 	"github.com/idemcp/idemcp/internal/policy"
+	"github.com/idemcp/idemcp/internal/tracing"
 	"github.com/idemcp/idemcp/sidecar/engine"
 	"github.com/idemcp/idemcp/sidecar/httpproxy"
 	"github.com/idemcp/idemcp/sidecar/policysync"
@@ -70,8 +71,11 @@ type Options struct {
 	Store            StoreOptions
 	ShutdownTimeout  time.Duration
 	LogLevel         string
-	Push             PushOptions
-	Limits           LimitOptions
+	// Tracing exports a span for every tools/call, whatever the policy's
+	// spec.tracing says (docs/tracing.md).
+	Tracing bool
+	Push    PushOptions
+	Limits  LimitOptions
 }
 
 // LimitOptions bound what one caller, or all of them, can hold in the
@@ -205,6 +209,20 @@ func (o *Options) Flags(fs *flag.FlagSet) {
 	o.Limits.Flags(fs)
 	fs.DurationVar(&o.ShutdownTimeout, "shutdown-timeout", 30*time.Second, "how long to wait for calls in flight when stopping")
 	fs.Var(cli.Choice(&o.LogLevel, "info", "debug", "info", "warn", "error"), "log-level", "debug, info, warn or error")
+	fs.BoolVar(&o.Tracing, "tracing", false, TracingFlag)
+}
+
+// TracingFlag is the help of --tracing, for sidecar and wrap.
+const TracingFlag = "export an OpenTelemetry span for every tools/call, configured by the OTEL_* environment variables (default: only under a policy with spec.tracing.enabled)"
+
+// NewTracing returns the engine's tracing for --tracing: spans go to a
+// provider made from the OTEL_* environment the first time a call is
+// traced, and lazy.Shutdown flushes them.
+func NewTracing(on bool, service string, log *slog.Logger) (engine.Tracing, *tracing.Lazy) {
+	lazy := tracing.NewLazy(service, func(err error) {
+		log.Error("Tracing is turned on but its exporter cannot be made; no spans are exported", "err", err)
+	})
+	return engine.Tracing{Provider: lazy.Provider, On: on}, lazy
 }
 
 // DefaultAdminListen is loopback: run by hand, the metrics and probes are
@@ -255,6 +273,7 @@ type Sidecar struct {
 	handler   http.Handler
 	lister    *toollist.Lister
 	registry  *prometheus.Registry
+	spans     *tracing.Lazy
 	conns     *connMetrics
 	storeDown atomic.Bool
 	// push is the policy stream's client, nil without --policy-endpoint.
@@ -314,7 +333,8 @@ func New(o Options) (*Sidecar, error) {
 	if err != nil {
 		return nil, err
 	}
-	eng := engine.New(engine.Options{Policy: pol, Store: st, Metrics: engine.NewMetrics(reg), Logger: log, KeySpace: o.KeySpace,
+	tr, spans := NewTracing(o.Tracing, "idemcp-sidecar", log)
+	eng := engine.New(engine.Options{Policy: pol, Store: st, Metrics: engine.NewMetrics(reg), Logger: log, KeySpace: o.KeySpace, Tracing: tr,
 		MaxWaitersPerKey: o.Limits.MaxWaitersPerKey, MaxWaitersPerPrincipal: o.Limits.MaxWaitersPerPrincipal,
 		MaxRunningPerPrincipal: o.Limits.MaxRunningPerPrincipal, MaxRunning: o.Limits.MaxRunning,
 		Pod: os.Getenv("POD_NAME")})
@@ -350,7 +370,7 @@ func New(o Options) (*Sidecar, error) {
 	lh := toollist.NewHTTP(&http.Client{Timeout: 30 * time.Second, Transport: lt}, up, o.UpstreamHost)
 	lister := toollist.New(toollist.Options{Hints: eng.Hints(), List: lh.List, ListIn: lh.ListIn, Registerer: reg, Logger: log, Listed: eng.ReportAnnotations})
 	lh.OnChanged(lister.Changed)
-	return &Sidecar{
+	return &Sidecar{spans: spans,
 		opts:      o,
 		log:       log,
 		engine:    eng,
@@ -622,6 +642,9 @@ func (s *Sidecar) Run(ctx context.Context) error {
 		s.log.Error("Calls still running at shutdown; their results are not stored", "err", derr)
 	}
 	_ = s.store.Close()
+	if serr := s.spans.Shutdown(context.Background()); serr != nil {
+		s.log.Warn("Spans not exported at shutdown", "err", serr)
+	}
 	if err != nil && !errors.Is(err, http.ErrServerClosed) {
 		return err
 	}

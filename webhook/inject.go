@@ -5,6 +5,7 @@ package webhook
 import (
 	"encoding/json"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 
@@ -88,6 +89,27 @@ type Config struct {
 	PolicyEndpoint string
 	// PolicyCABundle is the PEM the stream's certificate verifies against.
 	PolicyCABundle string
+	// Tracing turns tracing on in every sidecar (IDEMCP_TRACING), whatever
+	// its policy says.
+	Tracing bool
+	// OTelEnv is the OTEL_* environment every sidecar gets: where its
+	// spans go, should tracing be on (by Tracing or by its policy).
+	OTelEnv []corev1.EnvVar
+}
+
+// OTelEnv picks the OTEL_* variables of environ (as os.Environ gives it)
+// that configure a sidecar's exporter: all but OTEL_SERVICE_NAME, so that
+// each names itself idemcp-sidecar.
+func OTelEnv(environ []string) []corev1.EnvVar {
+	var out []corev1.EnvVar
+	for _, kv := range environ {
+		name, value, ok := strings.Cut(kv, "=")
+		if ok && strings.HasPrefix(name, "OTEL_") && name != "OTEL_SERVICE_NAME" {
+			out = append(out, corev1.EnvVar{Name: name, Value: value})
+		}
+	}
+	slices.SortFunc(out, func(a, b corev1.EnvVar) int { return strings.Compare(a.Name, b.Name) })
+	return out
 }
 
 // DefaultConfig returns the defaults the manager's flags start from.
@@ -436,6 +458,10 @@ func sidecarContainer(p *v1alpha1.IdempotencyPolicy, cfg Config, plan *portPlan,
 			LocalObjectReference: corev1.LocalObjectReference{Name: ref.Name}, Key: ref.Key,
 		}}})
 	}
+	if cfg.Tracing {
+		env = append(env, corev1.EnvVar{Name: "IDEMCP_TRACING", Value: "true"})
+	}
+	env = append(env, cfg.OTelEnv...)
 	if cfg.PolicyEndpoint != "" {
 		env = append(env, corev1.EnvVar{Name: "IDEMCP_POLICY_ENDPOINT", Value: cfg.PolicyEndpoint})
 		if cfg.PolicyCABundle != "" {

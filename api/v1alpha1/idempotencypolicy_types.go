@@ -171,6 +171,21 @@ type IdempotencyPolicySpec struct {
 	// +listType=atomic
 	// +optional
 	Tools []ToolRule `json:"tools,omitempty"`
+
+	// Tracing turns on OpenTelemetry tracing of this policy's calls in its
+	// sidecars: a span for each tools/call, exported where their OTEL_*
+	// environment says (docs/tracing.md). Tracing can also be turned on
+	// for every sidecar of an install (the manager's --tracing).
+	// +optional
+	Tracing *TracingSpec `json:"tracing,omitempty"`
+}
+
+// TracingSpec configures tracing for one policy.
+type TracingSpec struct {
+	// Enabled exports a span for each tools/call the policy's sidecars
+	// see, with child spans for the store's round trips.
+	// +optional
+	Enabled bool `json:"enabled,omitempty"`
 }
 
 // StoreSpec says where claims and results are kept.

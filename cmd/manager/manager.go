@@ -16,6 +16,7 @@ import (
 	"strings"
 	"time"
 
+	"go.opentelemetry.io/otel"
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	networkingv1 "k8s.io/api/networking/v1"
@@ -44,6 +45,7 @@ import (
 	"github.com/idemcp/idemcp/controllers/keyapi"
 	"github.com/idemcp/idemcp/controllers/policystream"
 	"github.com/idemcp/idemcp/internal/cli"
+	"github.com/idemcp/idemcp/internal/tracing"
 	"github.com/idemcp/idemcp/internal/version"
 	"github.com/idemcp/idemcp/webhook"
 	"github.com/idemcp/idemcp/webhook/certs"
@@ -127,6 +129,9 @@ type Options struct {
 	// PprofAddr serves net/http/pprof ("" or "0": off); for profiling on a
 	// loopback address, as the push benchmark does.
 	PprofAddr string
+	// Tracing traces reconciles and policy pushes, and turns tracing on in
+	// every sidecar the webhook injects (docs/tracing.md).
+	Tracing bool
 }
 
 // Flags registers the options on fs.
@@ -158,6 +163,7 @@ func (o *Options) Flags(fs *flag.FlagSet) {
 	fs.IntVar(&o.PolicyStreamMaxStreams, "policy-stream-max-streams", 10000, "most policy streams (one per sidecar) held at once; a sidecar beyond it is answered 503 and retries")
 	fs.Float64Var(&o.PolicyStreamTokenReviews, "policy-stream-token-reviews-per-second", 100, "most TokenReviews a second for sidecars connecting to the policy stream (a token reviewed in the last 2 minutes needs none); beyond it, 503 and a retry")
 	fs.StringVar(&o.PprofAddr, "pprof-bind-address", "0", "address of net/http/pprof, unauthenticated: only ever a loopback address (0 turns it off)")
+	fs.BoolVar(&o.Tracing, "tracing", false, "export OpenTelemetry spans of reconciles and policy pushes, and of every tools/call of the sidecars injected from now on, configured by the OTEL_* environment variables; the manager's OTEL_* variables (less OTEL_SERVICE_NAME) are given to injected sidecars either way")
 	o.Zap.BindFlags(fs)
 }
 
@@ -270,6 +276,18 @@ func Main(ctx context.Context, args []string) error {
 	if err != nil {
 		return fmt.Errorf("finding the cluster (set --kubeconfig or $KUBECONFIG): %w", err)
 	}
+	if o.Tracing {
+		tp, shutdown, err := tracing.NewProvider(ctx, "idemcp-manager")
+		if err != nil {
+			return fmt.Errorf("--tracing: %w", err)
+		}
+		otel.SetTracerProvider(tp)
+		defer func() {
+			flush, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+			defer cancel()
+			_ = shutdown(flush)
+		}()
+	}
 	mgr, err := New(cfg, o)
 	if err != nil {
 		return fs.Attribute(err)
@@ -365,6 +383,8 @@ func New(cfg *rest.Config, o Options) (ctrl.Manager, error) {
 			}
 		}
 	}
+	o.Sidecar.Tracing = o.Tracing
+	o.Sidecar.OTelEnv = webhook.OTelEnv(os.Environ())
 	injector := &webhook.Injector{
 		PolicyCA:         policyCA,
 		Client:           mgr.GetClient(),

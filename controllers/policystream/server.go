@@ -27,6 +27,10 @@ import (
 	"sync/atomic"
 	"time"
 
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/trace"
 	"golang.org/x/sync/singleflight"
 	"golang.org/x/time/rate"
 	corev1 "k8s.io/api/core/v1"
@@ -45,6 +49,7 @@ import (
 	"github.com/idemcp/idemcp/api/v1alpha1"
 	"github.com/idemcp/idemcp/internal/policy"
 	"github.com/idemcp/idemcp/internal/policywire"
+	"github.com/idemcp/idemcp/internal/tracing"
 )
 
 // +kubebuilder:rbac:groups=authentication.k8s.io,resources=tokenreviews,verbs=create
@@ -192,6 +197,9 @@ type stream struct {
 	// closed when the stream ends.
 	keys chan []byte
 	done <-chan struct{}
+	// push is the span of the snapshot last sent, from its write until
+	// the sidecar acknowledges (or refuses) it; nil once it has.
+	push trace.Span
 }
 
 // New returns a server that reads through mgr's cache and writes with its
@@ -643,6 +651,14 @@ func (s *Server) serveStream(w http.ResponseWriter, r *http.Request) {
 			}
 			c.sentVersion, c.sentOrder, c.sentCA, c.lastNonce = snap.version, snap.order, ca, enc.nonce
 			line = enc.line
+			if c.push != nil {
+				c.push.SetAttributes(attribute.String("idemcp.push.result", "superseded"))
+				c.push.End()
+			}
+			_, c.push = otel.Tracer(tracing.ScopeName).Start(sctx, "policy push",
+				trace.WithSpanKind(trace.SpanKindProducer),
+				trace.WithAttributes(attribute.String("k8s.namespace.name", key.Namespace), tracing.PolicyName.String(key.Name),
+					tracing.PolicyHash.String(snap.version), attribute.String("k8s.pod.name", c.pod)))
 		}
 		s.mu.Unlock()
 		if !send {
@@ -680,6 +696,16 @@ func (s *Server) readReports(r *http.Request, key types.NamespacedName, c *strea
 		s.mu.Lock()
 		c.report = rep
 		s.state(key).dirty = true
+		if c.push != nil && rep.Nonce != "" && rep.Nonce == c.lastNonce {
+			if rep.Error != "" {
+				c.push.SetAttributes(attribute.String("idemcp.push.result", "refused"))
+				c.push.SetStatus(codes.Error, rep.Error)
+			} else {
+				c.push.SetAttributes(attribute.String("idemcp.push.result", "acknowledged"))
+			}
+			c.push.End()
+			c.push = nil
+		}
 		s.mu.Unlock()
 	}
 }

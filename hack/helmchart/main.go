@@ -9,6 +9,7 @@ package main
 import (
 	"bufio"
 	"bytes"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -85,6 +86,10 @@ func run(in io.Reader, out, version string) error {
 		t = imageLine.ReplaceAllString(t, `${1}"{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}"`)
 		if m.Kind == "Deployment" {
 			t = replicasLine.ReplaceAllString(t, `${1}{{ .Values.replicas }}`)
+			t, err = tracingValues(t)
+			if err != nil {
+				return err
+			}
 		}
 		if err := os.WriteFile(filepath.Join(out, "templates", file), []byte(t), 0o644); err != nil {
 			return err
@@ -104,6 +109,15 @@ image:
   tag: ""
 # Manager replicas; one is the leader, the webhook is served by all.
 replicas: 2
+# OpenTelemetry tracing (docs/tracing.md). enabled traces the manager's
+# reconciles and policy pushes and every tools/call of the sidecars it
+# injects (a policy's spec.tracing.enabled turns it on for one policy).
+# env is the OTEL_* environment of the manager, given to every injected
+# sidecar too (less OTEL_SERVICE_NAME), for example:
+#   - {name: OTEL_EXPORTER_OTLP_ENDPOINT, value: "http://otel-collector.observability:4318"}
+tracing:
+  enabled: false
+  env: []
 `
 	if err := os.WriteFile(filepath.Join(out, "Chart.yaml"), []byte(chart), 0o644); err != nil {
 		return err
@@ -126,4 +140,16 @@ func splitDocs(b []byte) [][]byte {
 		cur.WriteByte('\n')
 	}
 	return append(docs, cur.Bytes())
+}
+
+// tracingValues makes the manager's --tracing flag and OTEL_* environment
+// the chart's tracing values.
+func tracingValues(t string) (string, error) {
+	const flag = "        - --policy-stream-bind-address=:9444\n"
+	const env = "              fieldPath: metadata.namespace\n"
+	if !strings.Contains(t, flag) || !strings.Contains(t, env) {
+		return "", errors.New("the manager's Deployment no longer has the --policy-stream-bind-address arg or the POD_NAMESPACE env the tracing values follow")
+	}
+	t = strings.Replace(t, flag, flag+"        {{- if .Values.tracing.enabled }}\n        - --tracing\n        {{- end }}\n", 1)
+	return strings.Replace(t, env, env+"        {{- with .Values.tracing.env }}\n        {{- toYaml . | nindent 8 }}\n        {{- end }}\n", 1), nil
 }

@@ -46,10 +46,13 @@ import (
 	"github.com/modelcontextprotocol/go-sdk/jsonrpc"
 	"github.com/modelcontextprotocol/go-sdk/mcp"
 	"github.com/prometheus/client_golang/prometheus"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemcp/idemcp/api/v1alpha1"
 	"github.com/idemcp/idemcp/idempotency"
 	"github.com/idemcp/idemcp/internal/policy"
+	"github.com/idemcp/idemcp/internal/tracing"
 	"github.com/idemcp/idemcp/sidecar/engine"
 )
 
@@ -78,6 +81,12 @@ type Options struct {
 	// cannot be told from a local one, and anonymous explicit keys are
 	// scoped to the session instead.
 	LocalClient bool
+	// TracerProvider, if set, gets an OpenTelemetry span for every
+	// tools/call, as the sidecar's (docs/tracing.md): its parent is the
+	// trace context of params._meta, else of the traceparent header, else
+	// ctx's span. Unset, calls are traced only under a policy with
+	// spec.tracing.enabled, to otel.GetTracerProvider().
+	TracerProvider trace.TracerProvider
 }
 
 // Middleware deduplicates tools/call. It is safe for concurrent use.
@@ -108,8 +117,12 @@ func New(o Options) (*Middleware, error) {
 	if st == nil {
 		st = idempotency.NewMemoryStore()
 	}
+	tracing := engine.Tracing{Provider: otel.GetTracerProvider}
+	if tp := o.TracerProvider; tp != nil {
+		tracing = engine.Tracing{Provider: func() trace.TracerProvider { return tp }, On: true}
+	}
 	return &Middleware{
-		engine: engine.New(engine.Options{Policy: pol, Store: st, Metrics: engine.NewMetrics(o.Registerer), Logger: o.Logger}),
+		engine: engine.New(engine.Options{Policy: pol, Store: st, Metrics: engine.NewMetrics(o.Registerer), Logger: o.Logger, Tracing: tracing}),
 		store:  st,
 		local:  o.LocalClient,
 	}, nil
@@ -177,12 +190,23 @@ func (m *Middleware) call(ctx context.Context, next mcp.MethodHandler, method st
 			tc.Meta[k], _ = json.Marshal(v)
 		}
 	}
-	plan, err := m.engine.Plan(tc, caller(r, m.engine.Policy(), m.local))
+	info := engine.CallInfo{Tool: tc.Name, Meta: tc.Meta}
+	if r.Session != nil {
+		info.Session = r.Session.ID()
+	}
+	if r.Extra != nil && r.Extra.Header != nil {
+		info.Header = tracing.FromHeader(r.Extra.Header)
+	}
+	ctx, span := m.engine.StartCall(ctx, info)
+	defer span.End()
+	plan, err := m.engine.PlanCall(ctx, tc, caller(r, m.engine.Policy(), m.local))
 	if err != nil {
+		span.Error(mcpErrorCode(err))
 		return nil, wireError(err)
 	}
 	if plan == nil {
 		m.engine.CountPassthrough()
+		span.Forwarded()
 		return next(ctx, method, r)
 	}
 	var res mcp.Result
@@ -207,6 +231,7 @@ func (m *Middleware) call(ctx context.Context, next mcp.MethodHandler, method st
 		// The caller went away; the call goes on and its result is kept.
 		return nil, context.Cause(ctx)
 	case err != nil:
+		span.Error(mcpErrorCode(err))
 		return nil, wireError(err)
 	}
 	if out.Kind != engine.Replayed {
@@ -241,4 +266,13 @@ func wireError(err error) error {
 		return &jsonrpc.Error{Code: int64(e.Code), Message: e.Message}
 	}
 	return err
+}
+
+// mcpErrorCode is the JSON-RPC code a refused call is answered with.
+func mcpErrorCode(err error) int {
+	var e *engine.Error
+	if errors.As(err, &e) {
+		return e.Code
+	}
+	return 0
 }

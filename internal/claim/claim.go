@@ -20,6 +20,8 @@ import (
 	"sync"
 	"time"
 
+	"go.opentelemetry.io/otel/trace"
+
 	"github.com/idemcp/idemcp/sidecar/store"
 )
 
@@ -122,21 +124,32 @@ type Waits struct {
 // the store before its reply was lost: it is released in the background,
 // so that a call that never ran does not hold its key for a whole lease
 // (and, under onAbandoned: Error, answer "outcome unknown" for the TTL).
-func (p *Protocol) Reserve(ctx context.Context, c store.Claim, w Waits) (store.Reservation, error) {
+//
+// A Completed reservation's Response is the response as Complete was
+// given it, and Execution the span that stored it, if it was traced.
+func (p *Protocol) Reserve(ctx context.Context, c store.Claim, w Waits) (Reservation, error) {
 	var waitCtx context.Context
-	sawPending := false
+	sawPending, waited := false, false
 	for {
-		r, err := p.store.Reserve(ctx, c)
+		var sr store.Reservation
+		err := storeOp(ctx, "reserve", func(ctx context.Context) (err error) {
+			sr, err = p.store.Reserve(ctx, c)
+			return err
+		})
+		r := Reservation{Reservation: sr, Waited: waited}
 		if err != nil {
 			p.Go("release", func() { p.releaseQuietly(c.Key, c.Owner) })
 			if ctx.Err() != nil {
-				return store.Reservation{}, ctx.Err()
+				return Reservation{}, ctx.Err()
 			}
 			p.storeError("reserve")
-			return store.Reservation{}, &UnavailableError{Op: "reserve", Held: sawPending, Err: err}
+			return Reservation{}, &UnavailableError{Op: "reserve", Held: sawPending, Err: err}
 		}
 		if r.State != store.Won && r.Fingerprint != c.Fingerprint {
 			return r, ErrConflict
+		}
+		if r.State == store.Completed {
+			r.Response, r.Execution = splitTrace(r.Response)
 		}
 		if r.State != store.Pending {
 			return r, nil
@@ -156,11 +169,12 @@ func (p *Protocol) Reserve(ctx context.Context, c store.Claim, w Waits) (store.R
 				return r, err
 			}
 		}
-		err = p.store.Wait(waitCtx, c.Key)
+		err = storeOp(waitCtx, "wait", func(ctx context.Context) error { return p.store.Wait(ctx, c.Key) })
 		done()
+		waited = true
 		if err != nil {
 			if ctx.Err() != nil {
-				return store.Reservation{}, ctx.Err()
+				return Reservation{}, ctx.Err()
 			}
 			if waitCtx.Err() != nil {
 				return r, ErrWaitTimeout
@@ -278,7 +292,7 @@ func (p *Protocol) renew(ctx context.Context, h Held) (stop func()) {
 			}
 			start := time.Now()
 			opCtx, opCancel := context.WithTimeout(ctx, every)
-			err := p.store.Renew(opCtx, h.Key, h.Owner, lease)
+			err := storeOp(opCtx, "renew", func(ctx context.Context) error { return p.store.Renew(ctx, h.Key, h.Owner, lease) })
 			opCancel()
 			switch {
 			case err == nil:
@@ -329,14 +343,22 @@ const SettleAttemptTimeout = 5 * time.Second
 // (whatever it got), so that the caller can be answered then. It returns
 // nil, store.ErrNotOwner (another owner took the claim over),
 // ErrProbablyApplied, or the store's last error.
+//
+// If ctx holds a sampled span (the call's), its span context is kept with
+// the record, and Reserve hands it to the replays as their Execution.
 func (p *Protocol) Complete(ctx context.Context, key, owner string, response []byte, ttl time.Duration, firstTried func()) error {
-	return p.retry(ctx, firstTried, func(ctx context.Context) error { return p.store.Complete(ctx, key, owner, response, ttl) })
+	response = withTrace(response, trace.SpanContextFromContext(ctx))
+	return p.retry(ctx, firstTried, func(ctx context.Context) error {
+		return storeOp(ctx, "complete", func(ctx context.Context) error { return p.store.Complete(ctx, key, owner, response, ttl) })
+	})
 }
 
 // Release drops the claim so that the next call runs, retrying as
 // Complete does.
 func (p *Protocol) Release(ctx context.Context, key, owner string, firstTried func()) error {
-	return p.retry(ctx, firstTried, func(ctx context.Context) error { return p.store.Release(ctx, key, owner) })
+	return p.retry(ctx, firstTried, func(ctx context.Context) error {
+		return storeOp(ctx, "release", func(ctx context.Context) error { return p.store.Release(ctx, key, owner) })
+	})
 }
 
 func (p *Protocol) retry(ctx context.Context, firstTried func(), op func(context.Context) error) error {

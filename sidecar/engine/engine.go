@@ -19,9 +19,12 @@ import (
 	"sync/atomic"
 	"time"
 
+	"go.opentelemetry.io/otel/trace"
+
 	"github.com/idemcp/idemcp/api/v1alpha1"
 	"github.com/idemcp/idemcp/internal/claim"
 	"github.com/idemcp/idemcp/internal/policy"
+	"github.com/idemcp/idemcp/internal/tracing"
 	"github.com/idemcp/idemcp/sidecar/mcpmsg"
 	"github.com/idemcp/idemcp/sidecar/store"
 )
@@ -47,6 +50,7 @@ type Engine struct {
 	hints   *ToolHints
 	metrics *Metrics
 	log     *slog.Logger
+	tracing Tracing
 
 	instance string
 	pod      string
@@ -94,11 +98,14 @@ type Options struct {
 	// keys of a sidecar with no workload (run by hand, whose store prefix
 	// names its upstream instead).
 	KeySpace string
+	// Tracing says which calls get a span, and where it goes (none: no
+	// call).
+	Tracing Tracing
 }
 
 // New returns an engine.
 func New(o Options) *Engine {
-	e := &Engine{store: o.Store, hints: NewToolHints(), metrics: o.Metrics, log: o.Logger, pod: o.Pod, keySpace: o.KeySpace,
+	e := &Engine{store: o.Store, hints: NewToolHints(), metrics: o.Metrics, log: o.Logger, pod: o.Pod, keySpace: o.KeySpace, tracing: o.Tracing,
 		waiters: newWaiters(o.MaxWaitersPerKey, o.MaxWaitersPerPrincipal),
 		running: newRunning(o.MaxRunningPerPrincipal, o.MaxRunning)}
 	if e.metrics == nil {
@@ -238,31 +245,42 @@ type Plan struct {
 // unscoped, and an *Error for a call to refuse without forwarding (a bad
 // explicit key, unparseable arguments).
 func (e *Engine) Plan(tc *ToolCall, c Caller) (*Plan, error) {
+	return e.PlanCall(context.Background(), tc, c)
+}
+
+// PlanCall is Plan for a call whose span StartCall put in ctx: the span
+// records what was decided.
+func (e *Engine) PlanCall(ctx context.Context, tc *ToolCall, c Caller) (*Plan, error) {
 	p := e.policy.Load()
 	rule := p.RuleFor(tc.Name)
 	dedup, reason := e.classify(rule, tc.Name, c.Listing)
 	e.countClassified(dedup, reason)
+	tracePlan(ctx, p, rule, reason)
 	if !dedup {
 		// A key on a call that is not deduplicated means nothing to us;
 		// the server gets the call exactly as sent.
 		e.CountPassthrough()
+		traceOutcome(ctx, tracing.OutcomePassthrough)
 		return nil, nil
 	}
 	explicit, err := ExplicitKey(c, tc.Meta)
 	if err != nil {
 		e.metrics.Calls.WithLabelValues(OutcomeRejected).Inc()
+		traceOutcome(ctx, tracing.OutcomeRejected)
 		return nil, err
 	}
 	if explicit == "" && unscopedCall(rule, c) || explicit != "" && !explicitScoped(rule, c) {
 		e.countUnscoped(p, rule, tc.Name)
+		traceOutcome(ctx, tracing.OutcomeUnscoped)
 		return nil, nil
 	}
 	fp, err := Fingerprint(tc.Name, tc.Arguments, rule.IgnoreArguments)
 	if err != nil {
 		e.metrics.Calls.WithLabelValues(OutcomeRejected).Inc()
+		traceOutcome(ctx, tracing.OutcomeRejected)
 		return nil, err
 	}
-	return &Plan{
+	plan := &Plan{
 		Tool:        tc.Name,
 		Key:         deriveKey(e.keySpace, rule, c, explicit, fp),
 		earlier:     e.earlierKeys(tc, c, explicit),
@@ -272,7 +290,9 @@ func (e *Engine) Plan(tc *ToolCall, c Caller) (*Plan, error) {
 		Policy:      p,
 		caller:      c,
 		Tenant:      Tenant(c.Principal),
-	}, nil
+	}
+	traceKey(ctx, plan)
+	return plan, nil
 }
 
 // Upstream is what the transport got from the MCP server for one call.
@@ -366,14 +386,17 @@ func (e *Engine) Execute(ctx context.Context, p *Plan, fwd Forward) (Outcome, er
 		// contract): an explicit key reused with them is refused, whether
 		// its first call completed, runs or was abandoned.
 		e.metrics.Calls.WithLabelValues(OutcomeRejected).Inc()
+		traceOutcome(ctx, tracing.OutcomeConflict)
 		return Outcome{}, &Error{Code: mcpmsg.CodeKeyConflict, Message: fmt.Sprintf(
 			"idempotency key conflict: this key was already used for a call with different arguments (tool %q); use a new key for a new operation", p.Tool)}
 	case errors.Is(err, claim.ErrInFlight):
 		e.metrics.Calls.WithLabelValues(OutcomeRejected).Inc()
+		traceOutcome(ctx, tracing.OutcomeInFlight)
 		return Outcome{}, &Error{Code: mcpmsg.CodeInFlight, Message: fmt.Sprintf(
 			"a call to %q with this key is still running; retry later to get its result", p.Tool)}
 	case errors.Is(err, claim.ErrWaitTimeout):
 		e.metrics.Calls.WithLabelValues(OutcomeRejected).Inc()
+		traceOutcome(ctx, tracing.OutcomeInFlight)
 		return Outcome{}, &Error{Code: mcpmsg.CodeInFlight, Message: fmt.Sprintf(
 			"a call to %q with this key is still running after waiting %s (waitTimeout); retry later to get its result", p.Tool, p.Policy.WaitTimeout)}
 	default:
@@ -381,11 +404,14 @@ func (e *Engine) Execute(ctx context.Context, p *Plan, fwd Forward) (Outcome, er
 			if unavailable.Held {
 				// The store said another call holds this key: never
 				// forward a second one, whatever onStoreUnavailable says.
+				traceOutcome(ctx, tracing.OutcomeInFlight)
 				return Outcome{}, e.stillRunning(p, unavailable.Err)
 			}
+			traceOutcome(ctx, tracing.OutcomeStoreUnavailable)
 			return e.storeUnavailable(ctx, p, fwd, unavailable.Err)
 		}
 		// ctx's error, or too many waiters (already counted).
+		traceOutcome(ctx, tracing.OutcomeRejected)
 		return Outcome{}, err
 	}
 	switch r.State {
@@ -405,19 +431,28 @@ func (e *Engine) Execute(ctx context.Context, p *Plan, fwd Forward) (Outcome, er
 		if r.TookOver {
 			e.metrics.TakeOvers.Inc()
 			e.log.Warn("Took over an abandoned claim", "tool", p.Tool, "key", p.Key)
+			traceReplay(ctx, trace.SpanContext{}, true)
 		}
 		return e.run(ctx, p, owner, fwd, stopRunning)
 	case store.Completed:
 		session, resp := taskSession(r.Response)
 		if session != "" && session != sessionHash(p.caller) {
 			e.metrics.Calls.WithLabelValues(OutcomeRejected).Inc()
+			traceOutcome(ctx, tracing.OutcomeRejected)
 			return Outcome{}, &Error{Code: mcpmsg.CodeTaskElsewhere, Message: fmt.Sprintf(
 				"the first call to %q with this key created a task in another MCP session, and a task can be read only in the session that created it; it is not run again. Read the task from that session, or use a new key to start a new one", p.Tool)}
 		}
 		e.metrics.Calls.WithLabelValues(OutcomeReplayed).Inc()
-		return Outcome{Kind: Replayed, Response: resp}, nil
+		if r.Waited {
+			traceOutcome(ctx, tracing.OutcomeWaited)
+		} else {
+			traceOutcome(ctx, tracing.OutcomeReplayed)
+		}
+		traceReplay(ctx, r.Execution, false)
+		return Outcome{Kind: Replayed, Response: withExecution(resp, r.Execution)}, nil
 	default: // store.Abandoned
 		e.metrics.Calls.WithLabelValues(OutcomeRejected).Inc()
+		traceOutcome(ctx, tracing.OutcomeOutcomeUnknown)
 		return Outcome{}, &Error{Code: mcpmsg.CodeOutcomeUnknown, Message: fmt.Sprintf(
 			"outcome unknown: the first call to %q with this key stopped mid-call (its sidecar died) and onAbandoned is Error, so it is not run again; check whether it took effect", p.Tool)}
 	}
@@ -439,6 +474,7 @@ func (e *Engine) storeUnavailable(ctx context.Context, p *Plan, fwd Forward, err
 			return Outcome{}, err
 		}
 		e.metrics.Calls.WithLabelValues(OutcomeFailedOpen).Inc()
+		traceForwarded(ctx)
 		up, ferr := fwd(ctx)
 		if ferr != nil {
 			stopRunning()
@@ -468,10 +504,12 @@ func (e *Engine) storeUnavailable(ctx context.Context, p *Plan, fwd Forward, err
 // stopRunning is called once the call is settled.
 func (e *Engine) run(ctx context.Context, p *Plan, owner string, fwd Forward, stopRunning func()) (Outcome, error) {
 	held := claim.Held{Key: p.Key, Owner: owner, Lease: p.Policy.LeaseDuration, Tool: p.Tool}
+	traceOutcome(ctx, tracing.OutcomeExecuted)
 	var began atomic.Bool
 	err := e.claims.Run(ctx, held, func(runCtx context.Context, answer func(error)) {
 		began.Store(true)
 		defer stopRunning()
+		traceForwarded(runCtx)
 		up, err := fwd(runCtx)
 		if err == nil && up.Later != nil {
 			// The client's part is over (it resumes on its own); the

@@ -147,8 +147,14 @@ func objectMembers(obj []byte) (members []member, ok bool) {
 // becomes an object holding the marker; a _meta that is neither an object
 // nor null is the server's own business and is left alone, unmarked.
 func markReplayed(result []byte, members []member) []byte {
+	return setMeta(result, members, ReplayedMeta, "true")
+}
+
+// setMeta returns the result object with _meta[name] set to the JSON
+// value raw, every other byte as the server sent it (see markReplayed).
+func setMeta(result []byte, members []member, name, raw string) []byte {
 	result = bytes.TrimLeft(result, " \t\r\n")
-	const marker = `"` + ReplayedMeta + `":true`
+	marker := `"` + name + `":` + raw
 	meta := -1
 	for i, mb := range members {
 		if mb.Name == "_meta" {
@@ -173,8 +179,8 @@ func markReplayed(result []byte, members []member) []byte {
 			return result
 		}
 		for i := len(inner) - 1; i >= 0; i-- {
-			if inner[i].Name == ReplayedMeta {
-				return splice(result, mb.Start+inner[i].Start, mb.Start+inner[i].End, "true")
+			if inner[i].Name == name {
+				return splice(result, mb.Start+inner[i].Start, mb.Start+inner[i].End, raw)
 			}
 		}
 		sep := ""

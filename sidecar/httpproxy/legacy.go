@@ -623,17 +623,23 @@ func (p *Proxy) serveLegacyCall(w http.ResponseWriter, r *http.Request, s *legac
 	if principal == "" {
 		principal = s.principal
 	}
-	plan, err := p.engine.Plan(tc, engine.Caller{
+	// The call runs past this POST, in the session: so does its span.
+	ctx, span := p.engine.StartCall(s.client, p.callInfo(r, tc.Name, msg.ID, tc.Meta))
+	plan, err := p.engine.PlanCall(ctx, tc, engine.Caller{
 		HeaderKey:    key,
 		HasHeaderKey: hasKey,
 		Principal:    principal,
 		Session:      s.id,
 	})
 	if err != nil {
+		span.Error(mcpmsg.ErrorCode(err))
+		span.End()
 		p.legacyError(w, s, msg.ID, err)
 		return
 	}
 	if plan == nil { // counted by Plan
+		span.Forwarded()
+		span.End()
 		p.forwardBody(w, r, body, false)
 		return
 	}
@@ -649,7 +655,8 @@ func (p *Proxy) serveLegacyCall(w http.ResponseWriter, r *http.Request, s *legac
 	done := p.engine.Track()
 	p.engine.Go("legacy", func() {
 		defer done()
-		p.runLegacyCall(s, plan, c, call)
+		defer span.End()
+		p.runLegacyCall(ctx, s, plan, c, call)
 	})
 }
 
@@ -664,9 +671,9 @@ func (p *Proxy) legacyError(w http.ResponseWriter, s *legacySession, id json.Raw
 	s.inject(mcpmsg.ErrorResponse(id, ee.Code, ee.Message))
 }
 
-func (p *Proxy) runLegacyCall(s *legacySession, plan *engine.Plan, c *legacyCall, call *engine.Call[struct{}]) {
+func (p *Proxy) runLegacyCall(ctx context.Context, s *legacySession, plan *engine.Plan, c *legacyCall, call *engine.Call[struct{}]) {
 	defer p.cancels.Release(call)
-	out, err := p.engine.Execute(s.client, plan, func(ctx context.Context) (engine.Upstream, error) {
+	out, err := p.engine.Execute(ctx, plan, func(ctx context.Context) (engine.Upstream, error) {
 		p.cancels.Hold(call)
 		defer p.cancels.Release(call)
 		return p.forwardLegacy(ctx, s, c)
@@ -683,6 +690,7 @@ func (p *Proxy) runLegacyCall(s *legacySession, plan *engine.Plan, c *legacyCall
 				"the MCP server refused the message (%s); nothing was stored, so a retry runs the call", *why)))
 		}
 	case errors.As(err, &ee):
+		engine.CallSpanFrom(ctx).Error(ee.Code)
 		s.inject(mcpmsg.ErrorResponse(c.id, ee.Code, ee.Message))
 	case errors.Is(err, engine.ErrDetached), s.client.Err() != nil:
 		p.log.Debug("Legacy SSE client left while its call runs upstream", "tool", plan.Tool)

@@ -24,6 +24,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/idemcp/idemcp/internal/tracing"
 	"github.com/idemcp/idemcp/sidecar/engine"
 	"github.com/idemcp/idemcp/sidecar/mcpmsg"
 )
@@ -289,7 +290,10 @@ func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			// If the header lies about the body, the server rejects the
 			// mismatch; nothing here depends on it.
 			p.engine.CountPassthrough()
-			p.rp.ServeHTTP(w, r)
+			ctx, span := p.engine.StartCall(r.Context(), p.callInfo(r, name, nil, nil))
+			defer span.End()
+			span.Passthrough()
+			p.rp.ServeHTTP(w, r.WithContext(ctx))
 			return
 		}
 	}
@@ -363,9 +367,13 @@ func (p *Proxy) serveToolCall(w http.ResponseWriter, r *http.Request, body []byt
 		p.writeEngineError(w, r, msg.ID, err)
 		return
 	}
+	ctx, span := p.engine.StartCall(r.Context(), p.callInfo(r, tc.Name, msg.ID, tc.Meta))
+	defer span.End()
+	r = r.WithContext(ctx)
 	if hdrMethod != "" {
 		if name, ok := decodeHeaderValue(r.Header.Get(HeaderName)); !ok || name != tc.Name {
 			// Headers and body disagree: dedup nothing, let the server reject it.
+			span.Passthrough()
 			p.forwardBody(w, r, body, false)
 			return
 		}
@@ -373,7 +381,7 @@ func (p *Proxy) serveToolCall(w http.ResponseWriter, r *http.Request, body []byt
 	key, hasKey := headerValue(r.Header, HeaderIdempotencyKey)
 	principalHeader := p.engine.Policy().PrincipalHeader
 	session := r.Header.Get(HeaderSessionID)
-	plan, err := p.engine.Plan(tc, engine.Caller{
+	plan, err := p.engine.PlanCall(ctx, tc, engine.Caller{
 		HeaderKey:    key,
 		HasHeaderKey: hasKey,
 		Principal:    r.Header.Get(principalHeader),
@@ -381,14 +389,25 @@ func (p *Proxy) serveToolCall(w http.ResponseWriter, r *http.Request, body []byt
 		Listing:      p.listingContext(session, principalHeader, r.Header.Get(principalHeader)),
 	})
 	if err != nil {
+		span.Error(mcpmsg.ErrorCode(err))
 		p.writeEngineError(w, r, msg.ID, err)
 		return
 	}
 	if plan == nil { // counted by Plan
+		span.Forwarded()
 		p.forwardBody(w, r, body, false)
 		return
 	}
 	p.serveDedup(w, r, body, msg, plan)
+}
+
+// callInfo is what a tools/call's span says of its request.
+func (p *Proxy) callInfo(r *http.Request, tool string, id json.RawMessage, meta map[string]json.RawMessage) engine.CallInfo {
+	return engine.CallInfo{
+		Tool: tool, RequestID: id, Meta: meta, Transport: "tcp",
+		Session: r.Header.Get(HeaderSessionID), ProtocolVersion: r.Header.Get("Mcp-Protocol-Version"),
+		Header: tracing.FromHeader(r.Header),
+	}
 }
 
 func headerValue(h http.Header, name string) (string, bool) {
@@ -472,6 +491,7 @@ func (p *Proxy) serveDedup(w http.ResponseWriter, r *http.Request, body []byte, 
 		panic(http.ErrAbortHandler)
 	case errors.As(err, &ee):
 		s.detach()
+		engine.CallSpanFrom(r.Context()).Error(ee.Code)
 		writeMessage(w, r, http.StatusOK, mcpmsg.ErrorResponse(msg.ID, ee.Code, ee.Message))
 	case errors.Is(err, engine.ErrDetached), r.Context().Err() != nil:
 		p.log.Debug("Client left while its call runs upstream", "tool", plan.Tool)

@@ -160,13 +160,18 @@ func (w *Wrapper) onToolCall(line []byte, msg *mcpmsg.Message) {
 		return
 	}
 	tc, err := engine.CallOf(msg)
+	var span *engine.CallSpan
 	if err == nil {
 		var plan *engine.Plan
-		if plan, err = w.engine.Plan(tc, w.caller); err == nil && plan == nil { // counted by Plan
+		var ctx context.Context
+		ctx, span = w.engine.StartCall(w.base, engine.CallInfo{Tool: tc.Name, RequestID: msg.ID, Meta: tc.Meta, Transport: "pipe"})
+		if plan, err = w.engine.PlanCall(ctx, tc, w.caller); err == nil && plan == nil { // counted by Plan
+			span.Forwarded()
+			span.End()
 			w.toChild(line, msg)
 			return
 		} else if err == nil {
-			w.dedup(line, msg.ID, plan)
+			w.dedup(ctx, line, msg.ID, plan)
 			return
 		}
 	}
@@ -174,21 +179,29 @@ func (w *Wrapper) onToolCall(line []byte, msg *mcpmsg.Message) {
 	if !errors.As(err, &ee) {
 		ee = &engine.Error{Code: mcpmsg.CodeInternalError, Message: err.Error()}
 	}
+	span.Error(ee.Code)
+	span.End()
 	_ = w.out.writeLine(mcpmsg.ErrorResponse(msg.ID, ee.Code, ee.Message))
 }
 
 // dedup answers a deduplicated call on its own goroutine: it may wait for
 // another caller's result.
-func (w *Wrapper) dedup(line []byte, id json.RawMessage, plan *engine.Plan) {
+//
+// base carries the call's span (engine.StartCall), which ends when the
+// call is answered.
+func (w *Wrapper) dedup(base context.Context, line []byte, id json.RawMessage, plan *engine.Plan) {
+	span := engine.CallSpanFrom(base)
 	key := mcpmsg.IDKey(id)
-	ctx, cancel := context.WithCancel(w.base)
+	ctx, cancel := context.WithCancel(base)
 	c := w.calls.start(engine.CancelKey(id), cancel)
 	if c == nil {
+		span.End()
 		cancel()
 		w.refuse(id, mcpmsg.CodeInvalidRequest, fmt.Sprintf("request id %s is already used by a call in flight", id))
 		return
 	}
 	if !w.tasks.add() {
+		span.End()
 		w.calls.release(c)
 		cancel()
 		_ = w.out.writeLine(mcpmsg.ErrorResponse(id, mcpmsg.CodeUpstreamUnavailable, w.gone(errClosed)))
@@ -196,6 +209,7 @@ func (w *Wrapper) dedup(line []byte, id json.RawMessage, plan *engine.Plan) {
 	}
 	w.engine.Go("wrap", func() {
 		defer w.tasks.done()
+		defer span.End()
 		defer cancel()
 		defer w.calls.release(c)
 		out, err := w.engine.Execute(ctx, plan, func(context.Context) (engine.Upstream, error) {

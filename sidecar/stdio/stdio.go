@@ -24,6 +24,7 @@ import (
 	"time"
 
 	"github.com/idemcp/idemcp/internal/cli"
+	"github.com/idemcp/idemcp/internal/tracing"
 	"github.com/idemcp/idemcp/sidecar"
 	"github.com/idemcp/idemcp/sidecar/engine"
 	"github.com/idemcp/idemcp/sidecar/store"
@@ -59,6 +60,8 @@ type Options struct {
 	// to finish once the client has hung up.
 	ShutdownTimeout time.Duration
 	LogLevel        string
+	// Tracing exports a span for every tools/call (sidecar.TracingFlag).
+	Tracing bool
 }
 
 // Flags registers the options on fs.
@@ -71,6 +74,7 @@ func (o *Options) Flags(fs *flag.FlagSet) {
 	fs.IntVar(&o.MaxResponseBytes, "max-response-bytes", DefaultMaxResponseBytes, "largest message relayed from the MCP server")
 	fs.DurationVar(&o.ShutdownTimeout, "shutdown-timeout", DefaultShutdownTimeout, "how long deduplicated calls in flight may take to finish after the client hangs up")
 	fs.Var(cli.Choice(&o.LogLevel, "info", "debug", "info", "warn", "error"), "log-level", "debug, info, warn or error")
+	fs.BoolVar(&o.Tracing, "tracing", false, sidecar.TracingFlag)
 }
 
 const intro = `Usage: idemcp wrap [flags] -- CMD [ARGS...]
@@ -126,6 +130,7 @@ func (e ExitError) ExitCode() int { return e.Code }
 // Wrapper is a configured stdio proxy, ready to run its command once.
 type Wrapper struct {
 	opts      Options
+	spans     *tracing.Lazy
 	storeInfo sidecar.StoreInfo
 	argv      []string
 	log       *slog.Logger
@@ -217,8 +222,10 @@ func New(o Options, argv []string, stdin io.Reader, stdout, stderr io.Writer) (*
 	}
 	var run [16]byte
 	_, _ = rand.Read(run[:])
-	eng := engine.New(engine.Options{Policy: pol, Store: st, Logger: log})
+	tr, spans := sidecar.NewTracing(o.Tracing, "idemcp-wrap", log)
+	eng := engine.New(engine.Options{Policy: pol, Store: st, Logger: log, Tracing: tr})
 	w := &Wrapper{
+		spans:     spans,
 		opts:      o,
 		storeInfo: info,
 		argv:      argv,
@@ -315,6 +322,9 @@ func (w *Wrapper) Run(ctx context.Context) (int, error) {
 	defer cancel()
 	if err := w.engine.Drain(drainCtx); err != nil {
 		w.log.Error("Calls still settling at exit; their keys are freed when their leases expire", "err", err)
+	}
+	if err := w.spans.Shutdown(context.Background()); err != nil {
+		w.log.Warn("Spans not exported at exit", "err", err)
 	}
 	switch {
 	case code == 0:

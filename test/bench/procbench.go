@@ -10,6 +10,7 @@ import (
 	"math"
 	"net"
 	"net/http"
+	"net/http/httptest"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -90,8 +91,16 @@ func freeAddr() (string, error) {
 // startProc starts bin with args; addrFlag names the flag that receives a
 // free loopback address ("" when args hold it already, at addr).
 func startProc(name, bin string, args []string, addr string) (*proc, error) {
+	return startProcEnv(name, bin, args, addr, nil)
+}
+
+// startProcEnv is startProc with env added to the bench's environment.
+func startProcEnv(name, bin string, args []string, addr string, env []string) (*proc, error) {
 	p := &proc{name: name, addr: addr, url: "http://" + addr}
 	p.cmd = exec.Command(bin, args...)
+	if env != nil {
+		p.cmd.Env = append(os.Environ(), env...)
+	}
 	p.cmd.Stdout = &p.logs
 	p.cmd.Stderr = &p.logs
 	if err := p.cmd.Start(); err != nil {
@@ -133,9 +142,13 @@ type procEnv struct {
 	procs                         []*proc
 	server, plain, nginx          *proc
 	sideMem, sideRedis, redisProc *proc
-	rows                          []*procRow
-	p999                          map[*procRow]map[string][]float64
-	nginxNote                     string
+	// sideTraced is sideRedis with tracing on; traceEnv, the environment
+	// start gives the process being started.
+	sideTraced *proc
+	traceEnv   []string
+	rows       []*procRow
+	p999       map[*procRow]map[string][]float64
+	nginxNote  string
 	// pingHot and pingGapped: PING p50 back to back and with pingGap
 	// between pings, per round.
 	pingHot, pingGapped []float64
@@ -165,7 +178,7 @@ func (e *procEnv) start(name, bin string, args func(addr string) []string) (*pro
 		return nil, err
 	}
 	t0 := time.Now()
-	p, err := startProc(name, bin, args(addr), addr)
+	p, err := startProcEnv(name, bin, args(addr), addr, e.traceEnv)
 	if err != nil {
 		return nil, err
 	}
@@ -418,6 +431,18 @@ func procSection(w *bytes.Buffer, c config) error {
 	if e.sideRedis, err = e.sidecar("sidecar (redis)", e.server.url, "--store", "redis", "--redis-addr", e.redisProc.addr); err != nil {
 		return err
 	}
+	// The same sidecar with tracing on at 100% sampling, exporting to an
+	// OTLP/HTTP endpoint that takes every batch and drops it.
+	sink := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.Copy(io.Discard, r.Body)
+		w.Header().Set("Content-Type", "application/x-protobuf")
+	}))
+	defer sink.Close()
+	e.traceEnv = []string{"OTEL_EXPORTER_OTLP_ENDPOINT=" + sink.URL, "OTEL_TRACES_SAMPLER=always_on"}
+	if e.sideTraced, err = e.sidecar("sidecar (redis, traced)", e.server.url, "--store", "redis", "--redis-addr", e.redisProc.addr, "--tracing"); err != nil {
+		return err
+	}
+	e.traceEnv = nil
 
 	exec := httpScenarios[2]
 	pass := httpScenarios[1]
@@ -443,6 +468,7 @@ func procSection(w *bytes.Buffer, c config) error {
 		add("idemcp executed (new arguments each call), "+s.name, "exec "+s.name, s.p, exec, true)
 		add("idemcp replayed, "+s.name, "replay "+s.name, s.p, replay, true)
 	}
+	add("idemcp executed (new arguments each call), redis, tracing on (100% sampled)", "exec redis traced", e.sideTraced, exec, true)
 	// Warm up every row: connections, and the replayed call's record.
 	for _, r := range e.rows {
 		for range c.warmup {

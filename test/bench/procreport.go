@@ -156,6 +156,14 @@ func (e *procEnv) report(w *bytes.Buffer, c config, conc, chart string) {
 			goal("(aim) executed call: CPU per call ≤ nginx's", "CPU per call, executed / nginx, "+mode+" client(s)", cr, cr.med <= 1)
 		}
 	}
+	if traced, off := e.row("exec redis traced"), e.row("exec redis"); traced != nil && off != nil {
+		for _, mode := range []string{"1", conc} {
+			cr := cpuRatio(traced, off, mode)
+			goal("tracing on (100% sampled): CPU per executed call < 1.10 × off", "CPU per call, executed redis traced / untraced, "+mode+" client(s)", cr, cr.med < 1.10)
+			a := perRound(traced, off, mode, statRatio(p50us))
+			goal("(aim) tracing on: p50 < 1.10 × off", "p50, executed redis traced / untraced, "+mode+" client(s)", a, a.med < 1.10)
+		}
+	}
 	t := perRound(ex, gp, conc, statRatio(rps))
 	goal("throughput at "+conc+" clients ≥ Go proxy's", "req/s, executed / Go proxy", t, t.med >= 1)
 	if ng != nil {

@@ -1,0 +1,146 @@
+package claim
+
+import (
+	"bytes"
+	"context"
+	"errors"
+
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/idemcp/idemcp/internal/tracing"
+	"github.com/idemcp/idemcp/sidecar/store"
+)
+
+// Reservation is what Reserve found, with what the protocol knows besides
+// the store's answer.
+type Reservation struct {
+	store.Reservation
+	// Waited reports that another owner's claim was waited for.
+	Waited bool
+	// Execution is the span of the call that stored Response (Completed),
+	// if it was traced: a replay links to it. Invalid otherwise, and for
+	// records stored before trace context was kept.
+	Execution trace.SpanContext
+}
+
+// A completed record whose call was traced carries the call's span
+// context in a trailer after the response:
+//
+//	response | payload (208 bytes) | traceTrailerMark (16 bytes)
+//
+// where the payload is the 26 bytes version (1) | trace id (16) | span id
+// (8) | trace flags (1), one bit a byte, a tab for 1 and a space for 0.
+// It is JSON whitespace: a reader that does not know it (a sidecar of an
+// earlier release during a rollout or a rollback, a DoJSON of one) still
+// reads the response it stored. It is written inside the sealed record,
+// so it is sealed like the rest; records with no trailer read as before.
+const (
+	traceTrailerVersion = 1
+	traceTrailerBytes   = 1 + 16 + 8 + 1
+	traceTrailerMarkLen = 16
+	traceTrailerLen     = 8*traceTrailerBytes + traceTrailerMarkLen
+)
+
+// traceTrailerMark is "id" in the trailer's encoding.
+var traceTrailerMark = string(whitespaceBits([]byte("id")))
+
+func whitespaceBits(b []byte) []byte {
+	out := make([]byte, 0, 8*len(b))
+	for _, c := range b {
+		for i := 7; i >= 0; i-- {
+			if c>>i&1 == 1 {
+				out = append(out, '\t')
+			} else {
+				out = append(out, ' ')
+			}
+		}
+	}
+	return out
+}
+
+// withTrace appends sc's trailer to response (response as it is if sc is
+// not a sampled span's).
+func withTrace(response []byte, sc trace.SpanContext) []byte {
+	if !sc.IsValid() || !sc.IsSampled() {
+		return response
+	}
+	tid, sid := sc.TraceID(), sc.SpanID()
+	payload := make([]byte, 0, traceTrailerBytes)
+	payload = append(payload, traceTrailerVersion)
+	payload = append(payload, tid[:]...)
+	payload = append(payload, sid[:]...)
+	payload = append(payload, byte(sc.TraceFlags()))
+	out := make([]byte, 0, len(response)+traceTrailerLen)
+	out = append(out, response...)
+	out = append(out, whitespaceBits(payload)...)
+	return append(out, traceTrailerMark...)
+}
+
+// splitTrace splits a stored response into the response and the span
+// context of its trailer (invalid if it has none).
+func splitTrace(stored []byte) ([]byte, trace.SpanContext) {
+	if len(stored) < traceTrailerLen || !bytes.HasSuffix(stored, []byte(traceTrailerMark)) {
+		return stored, trace.SpanContext{}
+	}
+	bits := stored[len(stored)-traceTrailerLen : len(stored)-traceTrailerMarkLen]
+	var payload [traceTrailerBytes]byte
+	for i, c := range bits {
+		switch c {
+		case '\t':
+			payload[i/8] |= 1 << (7 - i%8)
+		case ' ':
+		default:
+			return stored, trace.SpanContext{}
+		}
+	}
+	if payload[0] != traceTrailerVersion {
+		return stored, trace.SpanContext{}
+	}
+	var cfg trace.SpanContextConfig
+	copy(cfg.TraceID[:], payload[1:17])
+	copy(cfg.SpanID[:], payload[17:25])
+	cfg.TraceFlags = trace.TraceFlags(payload[25])
+	cfg.Remote = true
+	sc := trace.NewSpanContext(cfg)
+	if !sc.IsValid() {
+		return stored, trace.SpanContext{}
+	}
+	return stored[:len(stored)-traceTrailerLen], sc
+}
+
+// storeOp runs one store round trip, as a child span of the call's span
+// when that one is sampled (and with no cost when it is not). The call's
+// span may have ended (its client left, and the call settles detached):
+// its store spans are still its children.
+func storeOp(ctx context.Context, op string, fn func(context.Context) error) error {
+	parent := trace.SpanFromContext(ctx)
+	if !parent.SpanContext().IsSampled() {
+		return fn(ctx)
+	}
+	ctx, span := parent.TracerProvider().Tracer(tracing.ScopeName).Start(ctx, "idemcp.store "+op,
+		trace.WithSpanKind(trace.SpanKindClient), trace.WithAttributes(tracing.StoreOperation.String(op)))
+	defer span.End()
+	err := fn(ctx)
+	if err != nil {
+		span.SetStatus(codes.Error, "")
+		span.SetAttributes(tracing.ErrorType.String(storeErrorType(err)))
+	}
+	return err
+}
+
+// storeErrorType names a store error for a span without its message,
+// which may name a key.
+func storeErrorType(err error) string {
+	switch {
+	case err == nil:
+		return ""
+	case errors.Is(err, store.ErrNotOwner):
+		return "not_owner"
+	case errors.Is(err, context.DeadlineExceeded):
+		return "timeout"
+	case errors.Is(err, context.Canceled):
+		return "canceled"
+	}
+	return "unavailable"
+}
