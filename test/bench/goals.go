@@ -171,7 +171,7 @@ func (e *procEnv) goals(conc string) []goalRow {
 	perCall := rng(e.inFlightKB)
 	add(goalRow{goal: "1 MiB result: sidecar's extra RSS per call in flight ≤ 1.5x the result",
 		figure: fmt.Sprintf("(peak − idle VmRSS) / %d calls in flight / 1 MiB, Redis store, %d fresh sidecars", e.inFlightK, len(e.inFlightKB)),
-		short: "1MiB RSS per call", p: paired{perCall.med / 1024, perCall.lo / 1024, perCall.hi / 1024}, limit: 1.5, spread: true})
+		short:  "1MiB RSS per call", p: paired{perCall.med / 1024, perCall.lo / 1024, perCall.hi / 1024}, limit: 1.5, spread: true})
 	idle := mib(e.idleRSS)
 	add(goalRow{goal: "sidecar RSS idle < 20 MiB", figure: fmt.Sprintf("VmRSS %.1f MiB / 20 MiB", idle), short: "idle RSS /20MiB", p: single(idle / 20), limit: 1, kind: below})
 	sess := mib(e.sessRSS)

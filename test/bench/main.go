@@ -48,8 +48,8 @@ type config struct {
 	largeN        int
 	inFlight      int
 	procConcN     int
-	procClients int
-	sessions    int
+	procClients   int
+	sessions      int
 }
 
 func main() {

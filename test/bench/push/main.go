@@ -95,7 +95,9 @@ type result struct {
 
 func run(out, sizes string, rounds int) error {
 	fmt.Fprintf(os.Stderr, "bench push: load average (1, 5, 15 min) at the start: %s\n", loadAverages())
-	defer func() { fmt.Fprintf(os.Stderr, "bench push: load average (1, 5, 15 min) at the end: %s\n", loadAverages()) }()
+	defer func() {
+		fmt.Fprintf(os.Stderr, "bench push: load average (1, 5, 15 min) at the end: %s\n", loadAverages())
+	}()
 	// Every sidecar costs a socket here and one in the manager, which
 	// inherits this process's limits: raise the soft limit to the hard one.
 	nofile, err := raiseNofile()
