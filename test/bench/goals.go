@@ -268,14 +268,14 @@ func (e *procEnv) goalChart(conc string, noise float64) (*plot.Plot, error) {
 		if err != nil {
 			return nil, err
 		}
-		s.GlyphStyle.Shape = draw.PlusGlyph{}
+		s.Shape = draw.PlusGlyph{}
 		p.Add(s)
 	}
 	one, err := plotter.NewLine(plotter.XYs{{X: 1, Y: -0.5}, {X: 1, Y: float64(len(gs)) - 0.5}})
 	if err != nil {
 		return nil, err
 	}
-	one.LineStyle.Dashes = []vg.Length{vg.Points(3), vg.Points(3)}
+	one.Dashes = []vg.Length{vg.Points(3), vg.Points(3)}
 	p.Add(one)
 	p.NominalY(names...)
 	p.X.Min, p.X.Max = 0, chartMax

@@ -55,19 +55,6 @@ func (e *procEnv) row(short string) *procRow {
 	return nil
 }
 
-// addedRatio: the latency row a adds over direct, divided by what row b
-// adds, at p50, in the same round.
-func (e *procEnv) addedRatio(a, b *procRow, mode string) paired {
-	d := e.row("direct")
-	return perRound(a, b, mode, func(a, b *procRow, mode string, i int) float64 {
-		base := d.st[mode][i].p50
-		if b.st[mode][i].p50 <= base {
-			return math.NaN() // the baseline added nothing this round: no ratio
-		}
-		return float64(a.st[mode][i].p50-base) / float64(b.st[mode][i].p50-base)
-	})
-}
-
 func cpuRatio(a, b *procRow, mode string) paired {
 	return perRound(a, b, mode, func(a, b *procRow, mode string, i int) float64 {
 		if i >= len(a.cpu[mode]) || i >= len(b.cpu[mode]) {
