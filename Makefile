@@ -139,7 +139,7 @@ fuzz: ## Run every Go fuzz target for FUZZTIME each (default 10s); seeds in test
 	hack/fuzz.sh
 
 .PHONY: bench
-bench: ## Measure the sidecar (own process) against direct, a Go proxy and nginx in the same run; and the policy push to 100 and 1000 sidecars; writes test/bench/results.md and results.png (about 10 minutes). BENCH_ARGS=-proc-rounds=1 for a quick run.
+bench: ## Measure the sidecar (own process) against direct, a Go proxy and nginx in the same run; and the policy push to 100, 1000 and 10,000 sidecars; repeats rounds until the headline ratios settle (±15%) or -proc-max-rounds; writes test/bench/results.md and results.png with the goal table (on a quiet machine; longer on a loaded one). BENCH_ARGS="-proc-rounds=1 -proc-max-rounds=1" for a quick run.
 	@command -v nginx >/dev/null || test -x /usr/sbin/nginx || { echo "bench: installing Debian's nginx-light for the nginx baseline"; \
 	  $$( [ "$$(id -u)" = 0 ] || echo sudo ) apt-get install -y nginx-light || { $$( [ "$$(id -u)" = 0 ] || echo sudo ) apt-get update && $$( [ "$$(id -u)" = 0 ] || echo sudo ) apt-get install -y nginx-light; }; }
 	$(GO) run ./test/bench -out test/bench/results.md $(BENCH_ARGS)

@@ -300,6 +300,9 @@ type Upstream struct {
 	// Response is the final JSON-RPC response message, or nil if the
 	// server sent none.
 	Response []byte
+	// Valid says the transport has already checked that Response is JSON
+	// (json.Valid), so settling does not scan a large result again.
+	Valid bool
 	// Status is the HTTP status (0 for transports without one); anything
 	// but 2xx releases the key.
 	Status int
@@ -611,7 +614,7 @@ func (e *Engine) settle(ctx context.Context, p *Plan, owner string, up Upstream,
 	case up.Response == nil:
 		reason = ReasonTransport
 	default:
-		stored, reason = e.replayable(p, up.Response)
+		stored, reason = e.replayableChecked(p, up.Response, up.Valid)
 	}
 	if reason != "" && reason != ReasonTooLarge {
 		e.metrics.NotStored.WithLabelValues(reason).Inc()

@@ -21,7 +21,13 @@ const ReplayedMeta = "idemcp.io/replayed"
 // there is nowhere to put the marker, and the HTTP header still marks the
 // replay. Member names are matched exactly, as the client reads them.
 func (e *Engine) replayable(p *Plan, resp []byte) ([]byte, string) {
-	if !json.Valid(resp) {
+	return e.replayableChecked(p, resp, false)
+}
+
+// replayableChecked is replayable of a response the transport has already
+// checked is JSON when valid is true.
+func (e *Engine) replayableChecked(p *Plan, resp []byte, valid bool) ([]byte, string) {
+	if !valid && !json.Valid(resp) {
 		return nil, ReasonTransport
 	}
 	top, ok := mcpmsg.Members(resp)

@@ -551,7 +551,7 @@ func (p *Proxy) forwardDedup(ctx context.Context, in *http.Request, body []byte,
 			up.TooLarge, up.Size = true, n
 		case up.Status >= 200 && up.Status <= 299 && isResponseTo(keep.buf, id):
 			// A response to another id is not this call's outcome.
-			up.Response = keep.buf
+			up.Response, up.Valid = keep.buf, true
 		}
 		return up, nil
 	}
@@ -605,7 +605,7 @@ func (p *Proxy) forwardDedup(ctx context.Context, in *http.Request, body []byte,
 				if c != nil {
 					p.resumes.remove(c)
 				}
-				up.Response = bytes.Clone(ev.Data)
+				up.Response, up.Valid = bytes.Clone(ev.Data), true
 				s.setTail(resp.Body, er.Rest(), rb)
 				return up, nil
 			}

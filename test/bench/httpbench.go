@@ -175,7 +175,7 @@ func newHTTPEnv() (_ *httpEnv, err error) {
 	if err != nil {
 		return nil, err
 	}
-	if err := os.WriteFile(e.policyFile(), []byte(policyYAML), 0o600); err != nil {
+	if err := os.WriteFile(e.policyFile(), []byte(procPolicyYAML), 0o600); err != nil {
 		return nil, err
 	}
 	side, err := e.newSidecar(tSidecar)

@@ -38,12 +38,18 @@ type config struct {
 	scenarios  string
 	modes      string
 	cpuprofile string
+	memprofile string
+	blkprofile string
 	growth     bool
 
-	procRounds  int
-	procConcN   int
-	procClients int
-	sessions    int
+	procRounds    int
+	procMaxRounds int
+	noise         float64
+	largeN        int
+	inFlight      int
+	procConcN     int
+	procClients   int
+	sessions      int
 }
 
 func main() {
@@ -56,7 +62,11 @@ func main() {
 	flag.IntVar(&c.stdioN, "stdio-n", 250, "requests per target per round over stdio")
 	flag.IntVar(&c.warmup, "warmup", 100, "untimed requests per target before each scenario")
 	flag.StringVar(&c.sections, "sections", "procs,http,stdio,go", "comma-separated sections to run: procs (the headline: separate processes), http, stdio, go")
-	flag.IntVar(&c.procRounds, "proc-rounds", 3, "rounds of the separate-process section")
+	flag.IntVar(&c.procRounds, "proc-rounds", 3, "rounds of the separate-process section, at least")
+	flag.IntVar(&c.procMaxRounds, "proc-max-rounds", 8, "rounds of the separate-process section at most: rounds are added until every headline ratio's range is within -noise of its median")
+	flag.Float64Var(&c.noise, "noise", 0.15, "a headline ratio whose range over the rounds reaches further than this share of its median is marked noisy")
+	flag.IntVar(&c.largeN, "large-n", 100, "calls with a 1 MiB result per row per round, 1 client, in the separate-process section")
+	flag.IntVar(&c.inFlight, "in-flight", 16, "concurrent 1 MiB calls when measuring the sidecar's extra RSS per call in flight")
 	flag.IntVar(&c.procConcN, "proc-conc-n", 3000, "calls per row per round from -proc-c clients in the separate-process section")
 	flag.IntVar(&c.procClients, "proc-c", 64, "concurrent clients in the separate-process section")
 	flag.IntVar(&c.sessions, "sessions", 1000, "concurrent sessions when measuring the sidecar's RSS")
@@ -64,6 +74,8 @@ func main() {
 	flag.StringVar(&c.modes, "modes", "seq,conc", "HTTP runs: seq (1 client), conc (-c clients), or both")
 	flag.BoolVar(&c.growth, "growth", true, "measure the sidecar's cost as its recent deduplicated calls grow (section 1b)")
 	flag.StringVar(&c.cpuprofile, "cpuprofile", "", "write a CPU profile of the HTTP and stdio sections here (for a throwaway run)")
+	flag.StringVar(&c.memprofile, "memprofile", "", "write an allocation profile of the HTTP and stdio sections here")
+	flag.StringVar(&c.blkprofile, "blockprofile", "", "write a blocking profile of the HTTP and stdio sections here (every blocking event is sampled)")
 	flag.Parse()
 	if err := run(c); err != nil {
 		fmt.Fprintln(os.Stderr, "bench:", err)
@@ -79,7 +91,10 @@ func run(c config) error {
 	for _, s := range strings.Split(c.sections, ",") {
 		want[strings.TrimSpace(s)] = true
 	}
+	c.procMaxRounds = max(c.procMaxRounds, c.procRounds)
 	start := time.Now()
+	progress("load average (1, 5, 15 min) at the start: " + loadavg())
+	defer func() { progress("load average (1, 5, 15 min) at the end: " + loadavg()) }()
 	var doc bytes.Buffer
 	writeHeader(&doc, c, start)
 
@@ -97,6 +112,12 @@ func run(c config) error {
 		}()
 	}
 
+	if c.memprofile != "" {
+		runtime.MemProfileRate = 4096
+	}
+	if c.blkprofile != "" {
+		runtime.SetBlockProfileRate(1)
+	}
 	if want["procs"] {
 		progress("processes: starting")
 		if err := procSection(&doc, c); err != nil {
@@ -116,6 +137,14 @@ func run(c config) error {
 	if c.cpuprofile != "" {
 		pprof.StopCPUProfile()
 	}
+	for _, p := range []struct{ name, file string }{{"allocs", c.memprofile}, {"block", c.blkprofile}} {
+		if p.file == "" {
+			continue
+		}
+		if err := writeProfile(p.name, p.file); err != nil {
+			return err
+		}
+	}
 	if want["go"] {
 		progress("Go benchmarks: starting")
 		goBenchSection(&doc)
@@ -133,6 +162,18 @@ func run(c config) error {
 	}
 	progress("wrote " + c.out)
 	return nil
+}
+
+func writeProfile(name, file string) error {
+	f, err := os.Create(file)
+	if err != nil {
+		return err
+	}
+	if err := pprof.Lookup(name).WriteTo(f, 0); err != nil {
+		_ = f.Close()
+		return err
+	}
+	return f.Close()
 }
 
 func progress(msg string) {

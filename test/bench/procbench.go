@@ -134,6 +134,8 @@ type procRow struct {
 	st   map[string]series
 	cpu  map[string][]float64 // ms per 1000 calls, per round
 	fail int
+	// large: a row of the 1 MiB result, run from 1 client only.
+	large bool
 }
 
 type procEnv struct {
@@ -163,6 +165,14 @@ type procEnv struct {
 	idleRSS, sessRSS, sessPeak float64
 	sessions                   int
 	dup                        [][3]string
+	// rounds the section ran, and whether it stopped because every
+	// headline ratio settled within the noise bound.
+	rounds  int
+	settled bool
+	// inFlightKB: the sidecar's peak RSS over its idle RSS per 1 MiB call
+	// in flight, KiB, per repetition.
+	inFlightKB []float64
+	inFlightK  int
 }
 
 func (e *procEnv) close() {
@@ -410,7 +420,7 @@ func procSection(w *bytes.Buffer, c config) error {
 	if err := e.build(); err != nil {
 		return err
 	}
-	if err := os.WriteFile(filepath.Join(e.tmp, "policy.yaml"), []byte(policyYAML), 0o600); err != nil {
+	if err := os.WriteFile(filepath.Join(e.tmp, "policy.yaml"), []byte(procPolicyYAML), 0o600); err != nil {
 		return err
 	}
 	if e.server, err = e.start("MCP server", e.bins["httpserver"], func(a string) []string { return []string{"-listen", a} }); err != nil {
@@ -448,12 +458,13 @@ func procSection(w *bytes.Buffer, c config) error {
 	pass := httpScenarios[1]
 	replay := httpScenarios[3]
 	tgt := func(p *proc) *target { return &target{name: p.name, url: p.url + "/", client: newClient()} }
-	add := func(name, short string, p *proc, sc *scenario, proxy bool) {
+	add := func(name, short string, p *proc, sc *scenario, proxy bool) *procRow {
 		r := &procRow{name: name, short: short, t: tgt(p), sc: sc, st: map[string]series{}, cpu: map[string][]float64{}}
 		if proxy {
 			r.proxy = p
 		}
 		e.rows = append(e.rows, r)
+		return r
 	}
 	add("direct", "direct", e.server, exec, false)
 	add("Go httputil.ReverseProxy, tuned pool", "Go proxy", e.plain, exec, true)
@@ -469,9 +480,26 @@ func procSection(w *bytes.Buffer, c config) error {
 		add("idemcp replayed, "+s.name, "replay "+s.name, s.p, replay, true)
 	}
 	add("idemcp executed (new arguments each call), redis, tracing on (100% sampled)", "exec redis traced", e.sideTraced, exec, true)
+	for _, l := range []struct {
+		name, short string
+		p           *proc
+		sc          *scenario
+		proxy       bool
+	}{
+		{"direct, 1 MiB result", "direct 1MiB", e.server, largeExec, false},
+		{"Go httputil.ReverseProxy, 1 MiB result", "Go proxy 1MiB", e.plain, largeExec, true},
+		{"idemcp executed, memory, 1 MiB result", "exec memory 1MiB", e.sideMem, largeExec, true},
+		{"idemcp replayed, memory, 1 MiB result", "replay memory 1MiB", e.sideMem, largeReplay, true},
+	} {
+		add(l.name, l.short, l.p, l.sc, l.proxy).large = true
+	}
 	// Warm up every row: connections, and the replayed call's record.
 	for _, r := range e.rows {
-		for range c.warmup {
+		n := c.warmup
+		if r.large {
+			n = max(1, c.warmup/10)
+		}
+		for range n {
 			_, _, _ = r.t.call(r.sc)
 		}
 	}
@@ -481,22 +509,29 @@ func procSection(w *bytes.Buffer, c config) error {
 		workers int
 		n       int
 	}{{"1", 1, c.seqN}, {fmt.Sprint(c.procClients), c.procClients, c.procConcN}}
-	for round := range c.procRounds {
+	for round := range c.procMaxRounds {
 		e.pingHot = append(e.pingHot, us(e.measurePing(1000, 0)))
 		e.pingGapped = append(e.pingGapped, us(e.measurePing(300, pingGap)))
 		for _, m := range modes {
-			progress(fmt.Sprintf("processes: round %d/%d, %s clients", round+1, c.procRounds, m.name))
+			progress(fmt.Sprintf("processes: round %d (%d-%d), %s clients, load average %s", round+1, c.procRounds, c.procMaxRounds, m.name, loadavg()))
 			order := slices.Clone(e.rows)
 			k := round % len(order)
 			order = append(order[k:], order[:k]...)
 			for _, r := range order {
+				n := m.n
+				if r.large {
+					if m.workers != 1 {
+						continue
+					}
+					n = c.largeN
+				}
 				var before time.Duration
 				if r.proxy != nil {
 					before = cpuTime(r.proxy.pid())
 				}
-				b, failed, ferr := procBatch(r.t, r.sc, m.workers, m.n)
-				if failed*100 > m.n {
-					return fmt.Errorf("%s: %d of %d calls failed, first: %w", r.name, failed, m.n, ferr)
+				b, failed, ferr := procBatch(r.t, r.sc, m.workers, n)
+				if failed*100 > n {
+					return fmt.Errorf("%s: %d of %d calls failed, first: %w", r.name, failed, n, ferr)
 				}
 				r.fail += failed
 				st := b.stat()
@@ -513,9 +548,21 @@ func procSection(w *bytes.Buffer, c config) error {
 				}
 			}
 		}
+		e.rounds = round + 1
+		if e.rounds >= c.procRounds {
+			wide := e.unsettled(c, modes[1].name)
+			if len(wide) == 0 {
+				e.settled = true
+				break
+			}
+			progress(fmt.Sprintf("processes: after %d rounds, %d headline ratios reach beyond ±%.0f%% of their median, first: %s", e.rounds, len(wide), 100*c.noise, wide[0]))
+		}
 	}
-	progress("processes: Redis commands, duplicate rate, startup, sessions")
+	progress("processes: Redis commands, RSS per 1 MiB call in flight, duplicate rate, startup, sessions")
 	if err := e.countRedis(exec, replay, 50); err != nil {
+		return err
+	}
+	if err := e.measureInFlight(c.inFlight, 3); err != nil {
 		return err
 	}
 	if err := e.duplicates(); err != nil {
@@ -536,12 +583,72 @@ func procSection(w *bytes.Buffer, c config) error {
 	}
 	e.report(w, c, modes[1].name, chart)
 	if chart != "" {
-		if err := e.chart(chart, modes[1].name); err != nil {
+		if err := e.chart(chart, modes[1].name, c.noise); err != nil {
 			return fmt.Errorf("chart: %w", err)
 		}
 	}
 	return nil
 }
+
+// procPolicyYAML is policyYAML with room to store a 1 MiB result (its
+// JSON-RPC envelope makes it larger than the default 1Mi).
+const procPolicyYAML = "spec: {maxResultBytes: 4Mi, tools: [{name: refund, mode: Passthrough}]}\n"
+
+// largeResult is the size of the large result rows' padding: 1 MiB.
+const largeResult = 1 << 20
+
+var (
+	largeExec = &scenario{name: "tools/call charge_card, unique args, 1 MiB result", method: "tools/call", tool: "charge_card", counter: "charge_card",
+		args: func() string {
+			return `{"amount":10,"card":"4000-` + strconv.FormatInt(uniq.Add(1), 10) + `","size":` + strconv.Itoa(largeResult) + `}`
+		}}
+	largeReplay = &scenario{name: "tools/call charge_card, same args, 1 MiB result", method: "tools/call", tool: "charge_card", counter: "charge_card",
+		args: func() string { return `{"amount":10,"card":"4242-large","size":` + strconv.Itoa(largeResult) + `}` }, sidecarReplays: true}
+)
+
+// measureInFlight measures, reps times, a fresh sidecar's peak RSS over
+// its idle RSS while k executed calls with a 1 MiB result are in flight at
+// once, per call. The sidecar uses the Redis store, so stored results live
+// in redis-server, not in the sidecar; it is fresh each time because the Go
+// runtime keeps the heap a first batch grew. The peak is VmHWM, reset
+// through /proc/PID/clear_refs after the warm-up.
+func (e *procEnv) measureInFlight(k, reps int) error {
+	e.inFlightK = k
+	for range reps {
+		side, err := e.sidecar("sidecar (in flight)", e.server.url, "--store", "redis", "--redis-addr", e.redisProc.addr)
+		if err != nil {
+			return err
+		}
+		err = func() error {
+			defer side.stop()
+			t := &target{name: side.name, url: side.url + "/", client: newClient()}
+			for range 20 {
+				if _, _, err := t.call(httpScenarios[2]); err != nil {
+					return err
+				}
+			}
+			runtimeSettle()
+			base := memKB(side.pid(), "VmRSS")
+			if err := os.WriteFile(fmt.Sprintf("/proc/%d/clear_refs", side.pid()), []byte("5"), 0); err != nil {
+				return fmt.Errorf("resetting the sidecar's peak RSS: %w", err)
+			}
+			if _, failed, ferr := procBatch(t, largeExec, k, k); failed > 0 {
+				return fmt.Errorf("1 MiB calls in flight: %d of %d failed: %w", failed, k, ferr)
+			}
+			peak := memKB(side.pid(), "VmHWM")
+			e.inFlightKB = append(e.inFlightKB, (peak-base)/float64(k))
+			return nil
+		}()
+		if err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// runtimeSettle gives a process a moment to return what it freed (the Go
+// runtime scavenges in the background).
+func runtimeSettle() { time.Sleep(time.Second) }
 
 // procBatch sends n calls from workers concurrent clients.
 func procBatch(t *target, sc *scenario, workers, n int) (batch, int, error) {

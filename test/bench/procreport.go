@@ -55,19 +55,6 @@ func (e *procEnv) row(short string) *procRow {
 	return nil
 }
 
-// addedRatio: the latency row a adds over direct, divided by what row b
-// adds, at p50, in the same round.
-func (e *procEnv) addedRatio(a, b *procRow, mode string) paired {
-	d := e.row("direct")
-	return perRound(a, b, mode, func(a, b *procRow, mode string, i int) float64 {
-		base := d.st[mode][i].p50
-		if b.st[mode][i].p50 <= base {
-			return math.NaN() // the baseline added nothing this round: no ratio
-		}
-		return float64(a.st[mode][i].p50-base) / float64(b.st[mode][i].p50-base)
-	})
-}
-
 func cpuRatio(a, b *procRow, mode string) paired {
 	return perRound(a, b, mode, func(a, b *procRow, mode string, i int) float64 {
 		if i >= len(a.cpu[mode]) || i >= len(b.cpu[mode]) {
@@ -88,7 +75,7 @@ func (e *procEnv) report(w *bytes.Buffer, c config, conc, chart string) {
 	fmt.Fprintf(w, "The load generator (the bench program), the counting MCP server of test/mcpserver (Go SDK, stateless, 2026-07-28),\n")
 	fmt.Fprintf(w, "the plain Go proxy (test/bench/cmd/plainproxy), nginx, redis-server and two `idemcp-proxy sidecar` processes (memory\n")
 	fmt.Fprintf(w, "store, Redis store) each run in a process of their own. A proxy's CPU is its utime+stime from /proc/PID/stat over\n")
-	fmt.Fprintf(w, "the batch (10 ms ticks); peak RSS is its VmHWM at the end of the run. %d rounds; in each, every row runs %d calls\n", c.procRounds, c.seqN)
+	fmt.Fprintf(w, "the batch (10 ms ticks); peak RSS is its VmHWM at the end of the run. %d rounds; in each, every row runs %d calls\n", e.rounds, c.seqN)
 	fmt.Fprintf(w, "from 1 client and %d calls from %d clients, the rows in rotated order. Every figure is the median over the\n", c.procConcN, c.procClients)
 	fmt.Fprintf(w, "rounds. The load on this shared machine is in the header; absolute figures move with it, the ratios less so.\n\n")
 	fmt.Fprintf(w, "Rows: direct, the Go proxy and nginx call `charge_card` with new arguments each call (the tool runs); the\n")
@@ -102,6 +89,9 @@ func (e *procEnv) report(w *bytes.Buffer, c config, conc, chart string) {
 		fmt.Fprintf(w, "| path | p50 µs | p99 µs | p99.9 µs | req/s | proxy CPU ms / 1000 calls | peak RSS MiB |\n")
 		fmt.Fprintf(w, "| --- | ---: | ---: | ---: | ---: | ---: | ---: |\n")
 		for _, r := range e.rows {
+			if r.large {
+				continue
+			}
 			cpu, rss := "-", "-"
 			if r.proxy != nil {
 				cpu = fmt.Sprintf("%.0f", medf(r.cpu[mode]))
@@ -112,103 +102,23 @@ func (e *procEnv) report(w *bytes.Buffer, c config, conc, chart string) {
 		}
 		fmt.Fprintln(w)
 	}
+	fmt.Fprintf(w, "### A 1 MiB result, 1 client\n\n`charge_card` padding its result to 1 MiB, %d calls per row per round (1 MiB here is 1,048,576 bytes of padding;\n", c.largeN)
+	fmt.Fprintf(w, "the policy's maxResultBytes is 4Mi, so it is stored and replayed).\n\n")
+	fmt.Fprintf(w, "| path | p50 µs | p99 µs | req/s | proxy CPU ms / 1000 calls |\n| --- | ---: | ---: | ---: | ---: |\n")
+	for _, r := range e.rows {
+		if !r.large {
+			continue
+		}
+		cpu := "-"
+		if r.proxy != nil {
+			cpu = fmt.Sprintf("%.0f", medf(r.cpu["1"]))
+		}
+		s := r.st["1"]
+		fmt.Fprintf(w, "| %s | %.0f | %.0f | %.0f | %s |\n", r.name, s.med(p50us), s.med(p99us), s.med(rps), cpu)
+	}
+	fmt.Fprintln(w)
 
-	d, gp, ng := e.row("direct"), e.row("Go proxy"), e.row("nginx")
-	ex, pass, rep := e.row("exec memory"), e.row("pass memory"), e.row("replay memory")
-	exr := e.row("exec redis")
-	fmt.Fprintf(w, "### Goals (ratios: median over rounds, range in brackets)\n\n")
-	fmt.Fprintf(w, "| goal | figure | ratio | met |\n| --- | --- | ---: | --- |\n")
-	met := func(ok bool) string {
-		if ok {
-			return "yes"
-		}
-		return "**no**"
-	}
-	goal := func(g, fig string, p paired, ok bool) {
-		if math.IsNaN(p.med) {
-			fmt.Fprintf(w, "| %s | %s | - | not measurable this run |\n", g, fig)
-			return
-		}
-		fmt.Fprintf(w, "| %s | %s | %s | %s |\n", g, fig, p, met(ok))
-	}
-	for _, mode := range []string{"1", conc} {
-		if mode == "1" {
-			a := e.addedRatio(ex, gp, mode)
-			goal("executed call: added p50 ≤ Go proxy's", "added p50 over direct, executed / Go proxy, 1 client", a, a.med <= 1)
-			if ng != nil {
-				a := e.addedRatio(ex, ng, mode)
-				goal("(aim) executed call: added p50 ≤ nginx's", "added p50 over direct, executed / nginx, 1 client", a, a.med <= 1)
-			}
-		} else {
-			// Under load the queue dominates and a proxy can beat direct;
-			// compare p50 itself.
-			a := perRound(ex, gp, mode, statRatio(p50us))
-			goal("executed call: p50 ≤ Go proxy's", "p50, executed / Go proxy, "+mode+" clients", a, a.med <= 1)
-			if ng != nil {
-				a := perRound(ex, ng, mode, statRatio(p50us))
-				goal("(aim) executed call: p50 ≤ nginx's", "p50, executed / nginx, "+mode+" clients", a, a.med <= 1)
-			}
-		}
-		cr := cpuRatio(ex, gp, mode)
-		goal("executed call: CPU per call ≤ Go proxy's", "CPU per call, executed / Go proxy, "+mode+" client(s)", cr, cr.med <= 1)
-		if ng != nil {
-			cr := cpuRatio(ex, ng, mode)
-			goal("(aim) executed call: CPU per call ≤ nginx's", "CPU per call, executed / nginx, "+mode+" client(s)", cr, cr.med <= 1)
-		}
-	}
-	if traced, off := e.row("exec redis traced"), e.row("exec redis"); traced != nil && off != nil {
-		for _, mode := range []string{"1", conc} {
-			cr := cpuRatio(traced, off, mode)
-			goal("tracing on (100% sampled): CPU per executed call < 1.10 × off", "CPU per call, executed redis traced / untraced, "+mode+" client(s)", cr, cr.med < 1.10)
-			a := perRound(traced, off, mode, statRatio(p50us))
-			goal("(aim) tracing on: p50 < 1.10 × off", "p50, executed redis traced / untraced, "+mode+" client(s)", a, a.med < 1.10)
-		}
-	}
-	t := perRound(ex, gp, conc, statRatio(rps))
-	goal("throughput at "+conc+" clients ≥ Go proxy's", "req/s, executed / Go proxy", t, t.med >= 1)
-	if ng != nil {
-		t := perRound(ex, ng, conc, statRatio(rps))
-		goal("(aim) throughput at "+conc+" clients ≥ nginx's", "req/s, executed / nginx", t, t.med >= 1)
-	}
-	for _, mode := range []string{"1", conc} {
-		a := perRound(pass, gp, mode, statRatio(p50us))
-		goal("passthrough: no worse than Go proxy", "p50, passthrough / Go proxy, "+mode+" client(s)", a, a.med <= 1)
-		p99 := perRound(pass, gp, mode, statRatio(p99us))
-		goal("passthrough: no worse than Go proxy", "p99, passthrough / Go proxy, "+mode+" client(s)", p99, p99.med <= 1)
-		r := perRound(pass, gp, mode, statRatio(rps))
-		goal("passthrough: no worse than Go proxy", "req/s, passthrough / Go proxy, "+mode+" client(s)", r, r.med >= 1)
-		cr := cpuRatio(pass, gp, mode)
-		goal("passthrough: no worse than Go proxy", "CPU per call, passthrough / Go proxy, "+mode+" client(s)", cr, cr.med <= 1)
-	}
-	rssPass := mib(memKB(e.sideMem.pid(), "VmHWM")) / mib(memKB(e.plain.pid(), "VmHWM"))
-	goal("passthrough: no worse than Go proxy", "peak RSS, sidecar (memory) / Go proxy", paired{rssPass, rssPass, rssPass}, rssPass <= 1)
-	for _, mode := range []string{"1", conc} {
-		r := perRound(rep, d, mode, statRatio(p50us))
-		goal("a replay is faster than a direct call", "p50, replayed / direct, "+mode+" client(s)", r, r.med < 1)
-	}
-	goal("Redis store adds ≤ 2 round trips over memory", "Redis commands per executed call, counted with MONITOR (a script's own commands excluded), 50 calls",
-		paired{e.redisPerCall[0], e.redisPerCall[0], e.redisPerCall[0]}, e.redisPerCall[0] <= 2)
-	goal("Redis store adds ≤ 2 round trips over memory", "Redis commands per replayed call, counted the same way",
-		paired{e.redisPerCall[1], e.redisPerCall[1], e.redisPerCall[1]}, e.redisPerCall[1] <= 2)
-	ping := rng(e.pingGapped)
-	for _, pair := range [][2]*procRow{{exr, ex}, {e.row("replay redis"), rep}} {
-		trips := perRound(pair[0], pair[1], "1", func(a, b *procRow, mode string, i int) float64 {
-			return diffP50(a.st[mode][i], b.st[mode][i]) / e.pingGapped[min(i, len(e.pingGapped)-1)]
-		})
-		goal("Redis store adds ≤ 2 round trips over memory (time)", fmt.Sprintf("(p50 %s − %s) / PING p50 with %v between PINGs (%.0f µs; back to back: %.0f µs), 1 client",
-			pair[0].short, pair[1].short, pingGap, ping.med, medf(e.pingHot)), trips, trips.med <= 2)
-	}
-	idle := mib(e.idleRSS)
-	goal("sidecar RSS idle < 20 MiB", fmt.Sprintf("VmRSS %.1f MiB / 20 MiB", idle), paired{idle / 20, idle / 20, idle / 20}, idle < 20)
-	sess := mib(e.sessRSS)
-	goal(fmt.Sprintf("sidecar RSS with %d sessions < 100 MiB", e.sessions), fmt.Sprintf("VmRSS %.1f MiB (peak %.1f) / 100 MiB", sess, mib(e.sessPeak)), paired{sess / 100, sess / 100, sess / 100}, sess < 100)
-	su := make([]float64, len(e.startup))
-	for i, s := range e.startup {
-		su[i] = float64(s) / float64(time.Millisecond)
-	}
-	sr := rng(su)
-	goal("startup < 50 ms", fmt.Sprintf("process start to first served tools/call, %.1f ms (%.1f-%.1f) / 50 ms, %d starts", sr.med, sr.lo, sr.hi, len(su)),
-		paired{sr.med / 50, sr.lo / 50, sr.hi / 50}, sr.med < 50)
+	e.goalTable(w, c, conc)
 	fmt.Fprintf(w, "\n### Data-plane binary\n\nThe same sidecar started from the two binaries of the image, %d times each (figures: median, range):\n\n", len(e.startup))
 	fmt.Fprintf(w, "| binary | process start to first served tools/call, ms | idle VmRSS MiB |\n| --- | ---: | ---: |\n")
 	for _, b := range []struct {
@@ -239,9 +149,10 @@ func (e *procEnv) report(w *bytes.Buffer, c config, conc, chart string) {
 
 // chart draws p50 latency and proxy CPU per 1000 calls, per row, at 1 and
 // conc clients, side by side.
-func (e *procEnv) chart(path, conc string) error {
-	names := make([]string, len(e.rows))
-	for i, r := range e.rows {
+func (e *procEnv) chart(path, conc string, noise float64) error {
+	rows := slices.DeleteFunc(slices.Clone(e.rows), func(r *procRow) bool { return r.large })
+	names := make([]string, len(rows))
+	for i, r := range rows {
 		names[i] = r.short
 	}
 	bars := func(title, ylabel string, modes []string, f func(r *procRow, mode string) float64) (*plot.Plot, error) {
@@ -250,8 +161,8 @@ func (e *procEnv) chart(path, conc string) error {
 		p.Y.Label.Text = ylabel
 		w := vg.Points(9)
 		for k, mode := range modes {
-			vals := make(plotter.Values, len(e.rows))
-			for i, r := range e.rows {
+			vals := make(plotter.Values, len(rows))
+			for i, r := range rows {
 				v := f(r, mode)
 				if math.IsNaN(v) {
 					v = 0
@@ -295,13 +206,19 @@ func (e *procEnv) chart(path, conc string) error {
 	if err != nil {
 		return err
 	}
-	img := vgimg.New(vg.Points(1200), vg.Points(380))
+	goals, err := e.goalChart(conc, noise)
+	if err != nil {
+		return err
+	}
+	const top, bottom = 380, 620
+	img := vgimg.New(vg.Points(1200), vg.Points(top+bottom))
 	dc := draw.New(img)
 	tiles := draw.Tiles{Rows: 1, Cols: 3, PadX: vg.Points(10), PadTop: vg.Points(5), PadBottom: vg.Points(5), PadLeft: vg.Points(5), PadRight: vg.Points(5)}
-	cs := plot.Align([][]*plot.Plot{{lat1, lat, cpu}}, tiles, dc)
+	cs := plot.Align([][]*plot.Plot{{lat1, lat, cpu}}, tiles, draw.Crop(dc, 0, 0, vg.Points(bottom), 0))
 	lat1.Draw(cs[0][0])
 	lat.Draw(cs[0][1])
 	cpu.Draw(cs[0][2])
+	goals.Draw(draw.Crop(dc, vg.Points(5), vg.Points(-5), vg.Points(5), vg.Points(-top)))
 	f, err := createFile(path)
 	if err != nil {
 		return err
