@@ -138,7 +138,20 @@ func (s *suite) analyzeServiceAndVersion(t *testing.T) {
 	if hasInit(pod) {
 		list = "initContainers"
 	}
-	patch := fmt.Sprintf(`{"spec":{%q:[{"name":%q,"image":%q}]}}`, list, webhook.ContainerName, older)
+	// An older manager wrote its own image into the status annotation
+	// too: a sidecar whose image and annotation disagree is not idemcp's
+	// (IDM001), not an older one.
+	var status map[string]any
+	if err := json.Unmarshal([]byte(pod.Annotations[webhook.AnnotationStatus]), &status); err != nil {
+		t.Fatalf("reading the status annotation of mcp-older: %v", err)
+	}
+	status["image"] = older
+	statusJSON, err := json.Marshal(status)
+	if err != nil {
+		t.Fatal(err)
+	}
+	patch := fmt.Sprintf(`{"metadata":{"annotations":{%q:%q}},"spec":{%q:[{"name":%q,"image":%q}]}}`,
+		webhook.AnnotationStatus, statusJSON, list, webhook.ContainerName, older)
 	if err := s.k8s.Patch(s.ctx, pod, client.RawPatch(types.StrategicMergePatchType, []byte(patch))); err != nil {
 		t.Fatalf("setting the sidecar image of mcp-older to %s: %v", older, err)
 	}
@@ -150,13 +163,21 @@ func (s *suite) analyzeServiceAndVersion(t *testing.T) {
 	if n := len(findings(fs, plugin.CodeSidecarVersion, "")); n != 1 {
 		t.Fatalf("analyze reports %d IDM004, want only mcp-older's: %+v", n, fs)
 	}
+	// The image v0.0.1 does not exist here, so mcp-older's sidecar cannot
+	// start and the policy is not synced (IDM005, an Error): that is the
+	// one Error allowed, and analyze exits 1 for it.
+	wantCode := 0
 	for _, f := range fs {
-		if f.Severity == plugin.SeverityError {
-			t.Fatalf("analyze with only a version drift reports an Error: %+v", f)
+		if f.Severity != plugin.SeverityError {
+			continue
 		}
+		if f.Code != plugin.CodePolicyNotReady || !strings.Contains(f.Message, "mcp-older") {
+			t.Fatalf("analyze with a version drift reports an Error other than the unsynced mcp-older: %+v", f)
+		}
+		wantCode = 1
 	}
-	if code != 0 {
-		t.Fatalf("analyze with warnings only exited %d, want 0", code)
+	if code != wantCode {
+		t.Fatalf("analyze exited %d, want %d (1 only when it reports an Error): %+v", code, wantCode, fs)
 	}
 }
 
