@@ -293,6 +293,7 @@ func New(o Options) (*Sidecar, error) {
 	if err != nil {
 		return nil, err
 	}
+	st = store.Timed(st, newStoreDuration(reg))
 	eng := engine.New(engine.Options{Policy: pol, Store: st, Metrics: engine.NewMetrics(reg), Logger: log,
 		MaxWaitersPerKey: o.Limits.MaxWaitersPerKey, MaxWaitersPerPrincipal: o.Limits.MaxWaitersPerPrincipal})
 	// Every connection to the MCP server goes through one dialer, which

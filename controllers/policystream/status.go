@@ -195,6 +195,12 @@ func (s *Server) flush(ctx context.Context) {
 		slices.Sort(workloads)
 		slices.Sort(j.t.Unconnected)
 		sidecars, cond := SidecarsStatus(j.key.Namespace, injected, j.t, workloads)
+		s.mu.Lock()
+		// A policy deleted since the tally has no counts any more.
+		if st := s.policies[j.key]; st != nil && st.snap != nil {
+			setSidecarsGauge(j.key, sidecars.Injected, sidecars.Connected, sidecars.Synced)
+		}
+		s.mu.Unlock()
 		if err := s.writeStatus(ctx, j.key, j.generation, sidecars, cond); err != nil {
 			s.redo(j.key)
 			log.FromContext(ctx).Error(err, "Writing the sidecars' status failed", "policy", klog.KRef(j.key.Namespace, j.key.Name))

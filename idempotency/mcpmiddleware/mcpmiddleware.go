@@ -182,7 +182,7 @@ func (m *Middleware) call(ctx context.Context, next mcp.MethodHandler, method st
 		return nil, wireError(err)
 	}
 	if plan == nil {
-		m.engine.CountPassthrough()
+		m.engine.CountPassthrough(r.Params.Name)
 		return next(ctx, method, r)
 	}
 	var res mcp.Result

@@ -96,7 +96,7 @@ func (e *Engine) Waiting() int {
 }
 
 func (e *Engine) tooManyWaiters(p *Plan, limit string) error {
-	e.metrics.Calls.WithLabelValues(OutcomeRejected).Inc()
+	e.countCall(OutcomeRejected, p.Tool)
 	e.metrics.OverLimit.WithLabelValues(limit).Inc()
 	var msg string
 	if limit == LimitWaitersPerKey {

@@ -274,7 +274,7 @@ func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		if name, ok := decodeHeaderValue(r.Header.Get(HeaderName)); ok && name != "" && !p.engine.Deduplicates(name) {
 			// If the header lies about the body, the server rejects the
 			// mismatch; nothing here depends on it.
-			p.engine.CountPassthrough()
+			p.engine.CountPassthrough(name)
 			p.rp.ServeHTTP(w, r)
 			return
 		}
