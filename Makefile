@@ -13,10 +13,13 @@ CONTROLLER_TOOLS_VERSION ?= v0.23.0
 GOLANGCI_LINT_VERSION ?= v2.15.0
 KUSTOMIZE_VERSION ?= v5.8.1
 HELM_VERSION ?= v3.22.0
+# promtool of Prometheus 3.16.0 (the Go module's v0.316.0), for the alert rules.
+PROMTOOL_VERSION ?= v0.316.0
 CONTROLLER_GEN ?= $(LOCALBIN)/controller-gen-$(CONTROLLER_TOOLS_VERSION)
 GOLANGCI_LINT ?= $(LOCALBIN)/golangci-lint-$(GOLANGCI_LINT_VERSION)
 KUSTOMIZE ?= $(LOCALBIN)/kustomize-$(KUSTOMIZE_VERSION)
 HELM ?= $(LOCALBIN)/helm-$(HELM_VERSION)
+PROMTOOL ?= $(LOCALBIN)/promtool-$(PROMTOOL_VERSION)
 KUBECTL ?= kubectl
 
 TS_INTEROP := test/interop/ts
@@ -79,8 +82,8 @@ envtest: ## Build (once, cached outside the checkout) the kube-apiserver, etcd a
 	@hack/setup-envtest.sh >/dev/null
 
 .PHONY: test
-test: test-deps vet helm ## Run every test: unit, store contract, envtest, and end to end against real MCP servers.
-	assets="$$(hack/setup-envtest.sh)"; KUBEBUILDER_ASSETS="$$assets" HELM=$(HELM) $(GO) test -race -count=1 -timeout 40m $$($(GO) list ./... | grep -v -e /test/chaos -e /test/load)
+test: test-deps vet helm promtool ## Run every test: unit, store contract, envtest, and end to end against real MCP servers.
+	assets="$$(hack/setup-envtest.sh)"; KUBEBUILDER_ASSETS="$$assets" HELM=$(HELM) PROMTOOL=$(PROMTOOL) $(GO) test -race -count=1 -timeout 40m $$($(GO) list ./... | grep -v -e /test/chaos -e /test/load)
 	$(MAKE) chaos
 
 # The inner loop's packages: everything but the suites under test/, which
@@ -213,9 +216,14 @@ build-installer: kustomize ## Write dist/install.yaml (CRD, RBAC, manager, webho
 	@rm -rf dist/.overlay
 	@echo "wrote dist/install.yaml with image $(IMG)"
 
+.PHONY: monitoring
+monitoring: ## Write the Grafana dashboard config/monitoring/grafana-dashboard.json (hack/dashboard).
+	$(GO) run ./hack/dashboard -out config/monitoring/grafana-dashboard.json
+
 .PHONY: helm-chart
-helm-chart: kustomize ## Write the Helm chart dist/chart from config/default (CRDs in crds/, image and replicas as values).
-	$(KUSTOMIZE) build config/default | $(GO) run ./hack/helmchart -out dist/chart -version $(CHART_VERSION)
+helm-chart: kustomize monitoring ## Write the Helm chart dist/chart from config/default (CRDs in crds/, image and replicas as values) and config/monitoring (monitoring.* values, off by default).
+	@mon=$$(mktemp); trap 'rm -f $$mon' EXIT; $(KUSTOMIZE) build config/monitoring > $$mon; \
+	$(KUSTOMIZE) build config/default | $(GO) run ./hack/helmchart -out dist/chart -version $(CHART_VERSION) -monitoring $$mon
 
 .PHONY: helm-lint
 helm-lint: helm helm-chart ## helm lint the chart.
@@ -261,6 +269,11 @@ $(KUSTOMIZE):
 helm: $(HELM)
 $(HELM):
 	GO=$(GO) hack/tool.sh $@ helm.sh/helm/v3/cmd/helm $(HELM_VERSION) helm
+
+.PHONY: promtool
+promtool: $(PROMTOOL)
+$(PROMTOOL):
+	GO=$(GO) hack/tool.sh $@ github.com/prometheus/prometheus/cmd/promtool $(PROMTOOL_VERSION) promtool
 
 .PHONY: help
 help: ## Show this help.

@@ -333,6 +333,7 @@ func New(o Options) (*Sidecar, error) {
 	if err != nil {
 		return nil, err
 	}
+	st = store.Timed(st, newStoreDuration(reg))
 	tr, spans := NewTracing(o.Tracing, "idemcp-sidecar", log)
 	eng := engine.New(engine.Options{Policy: pol, Store: st, Metrics: engine.NewMetrics(reg), Logger: log, KeySpace: o.KeySpace, Tracing: tr,
 		MaxWaitersPerKey: o.Limits.MaxWaitersPerKey, MaxWaitersPerPrincipal: o.Limits.MaxWaitersPerPrincipal,

@@ -200,6 +200,10 @@ type stream struct {
 	// push is the span of the snapshot last sent, from its write until
 	// the sidecar acknowledges (or refuses) it; nil once it has.
 	push trace.Span
+	// pendingVersion was sent at pendingSince and not acknowledged yet
+	// (idemcp_policy_sync_duration_seconds).
+	pendingVersion string
+	pendingSince   time.Time
 }
 
 // New returns a server that reads through mgr's cache and writes with its
@@ -469,6 +473,7 @@ func (s *Server) forgetPolicy(o any) {
 	}
 	// Sidecars keep their last policy; nothing newer will come.
 	st.snap, st.generation, st.written = nil, 0, ""
+	forgetSidecarsGauge(types.NamespacedName{Namespace: p.Namespace, Name: p.Name})
 }
 
 // maxGone bounds policyState.gone.
@@ -649,6 +654,9 @@ func (s *Server) serveStream(w http.ResponseWriter, r *http.Request) {
 				logger.Error(err, "Encoding a snapshot failed")
 				return
 			}
+			if snap.version != c.sentVersion {
+				c.pendingVersion, c.pendingSince = snap.version, time.Now()
+			}
 			c.sentVersion, c.sentOrder, c.sentCA, c.lastNonce = snap.version, snap.order, ca, enc.nonce
 			line = enc.line
 			if c.push != nil {
@@ -695,6 +703,7 @@ func (s *Server) readReports(r *http.Request, key types.NamespacedName, c *strea
 		}
 		s.mu.Lock()
 		c.report = rep
+		c.observeAck(rep.Version, time.Now())
 		s.state(key).dirty = true
 		if c.push != nil && rep.Nonce != "" && rep.Nonce == c.lastNonce {
 			if rep.Error != "" {
@@ -728,6 +737,9 @@ func (l *leader) Start(ctx context.Context) error {
 	s.leading.Store(true)
 	defer func() {
 		s.leading.Store(false)
+		// Only the leader counts sidecars: a replica that was one must not
+		// keep serving its last counts.
+		sidecarsGauge.Reset()
 		// Streams end with the leadership: a sidecar must not keep taking
 		// policies from a replica that may no longer watch them.
 		s.mu.Lock()

@@ -202,6 +202,12 @@ func (s *Server) flush(ctx context.Context) {
 		slices.Sort(workloads)
 		slices.Sort(j.t.Unconnected)
 		sidecars, cond := SidecarsStatus(j.key.Namespace, injected, j.t, workloads)
+		s.mu.Lock()
+		// A policy deleted since the tally has no counts any more.
+		if st := s.policies[j.key]; st != nil && st.snap != nil {
+			setSidecarsGauge(j.key, sidecars.Injected, sidecars.Connected, sidecars.Synced)
+		}
+		s.mu.Unlock()
 		reports := make([]toolReport, 0, len(j.tools))
 		for _, tr := range j.tools {
 			reports = append(reports, *tr)

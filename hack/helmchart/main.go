@@ -1,9 +1,13 @@
 // Command helmchart writes the Helm chart in dist/chart from the kustomize
 // build of config/default, so the chart and `kubectl apply -k` install the
 // same objects: CRDs go to crds/, everything else to templates/ with the
-// namespace, the image and the manager's replicas made values.
+// namespace, the image and the manager's replicas made values. With
+// -monitoring, the kustomize build of config/monitoring (ServiceMonitor,
+// PodMonitor, PrometheusRule, the Grafana dashboard) becomes templates that
+// render only when their monitoring.*.enabled value is true.
 //
-//	kustomize build config/default | go run ./hack/helmchart -out dist/chart -version 0.1.0
+//	kustomize build config/monitoring > monitoring.yaml
+//	kustomize build config/default | go run ./hack/helmchart -out dist/chart -version 0.1.0 -monitoring monitoring.yaml
 package main
 
 import (
@@ -29,8 +33,9 @@ const (
 func main() {
 	out := flag.String("out", "dist/chart", "directory of the chart to write (replaced)")
 	version := flag.String("version", "0.1.0", "the chart's version and appVersion")
+	monitoring := flag.String("monitoring", "", "the kustomize build of config/monitoring, made optional templates")
 	flag.Parse()
-	if err := run(os.Stdin, *out, *version); err != nil {
+	if err := run(os.Stdin, *out, *version, *monitoring); err != nil {
 		fmt.Fprintf(os.Stderr, "helmchart: %v\n", err)
 		os.Exit(1)
 	}
@@ -46,10 +51,16 @@ type meta struct {
 var imageLine = regexp.MustCompile(`(?m)^(\s*image: )` + regexp.QuoteMeta(defaultImage) + `:\S+$`)
 var replicasLine = regexp.MustCompile(`(?m)^(  replicas: )\d+$`)
 
-func run(in io.Reader, out, version string) error {
+func run(in io.Reader, out, version, monitoring string) error {
 	all, err := io.ReadAll(in)
 	if err != nil {
 		return err
+	}
+	var mon []byte
+	if monitoring != "" {
+		if mon, err = os.ReadFile(monitoring); err != nil {
+			return err
+		}
 	}
 	if err := os.RemoveAll(out); err != nil {
 		return err
@@ -95,6 +106,9 @@ func run(in io.Reader, out, version string) error {
 			return err
 		}
 	}
+	if err := writeMonitoring(mon, filepath.Join(out, "templates")); err != nil {
+		return err
+	}
 	chart := fmt.Sprintf(`apiVersion: v2
 name: idemcp
 description: Exactly-once MCP tool calls on Kubernetes (generated from config/default by hack/helmchart; do not edit)
@@ -118,7 +132,7 @@ replicas: 2
 tracing:
   enabled: false
   env: []
-`
+` + monitoringValues
 	if err := os.WriteFile(filepath.Join(out, "Chart.yaml"), []byte(chart), 0o644); err != nil {
 		return err
 	}
@@ -152,4 +166,89 @@ func tracingValues(t string) (string, error) {
 	}
 	t = strings.Replace(t, flag, flag+"        {{- if .Values.tracing.enabled }}\n        - --tracing\n        {{- end }}\n", 1)
 	return strings.Replace(t, env, env+"        {{- with .Values.tracing.env }}\n        {{- toYaml . | nindent 8 }}\n        {{- end }}\n", 1), nil
+}
+
+// monitoringValues are the values of the optional monitoring templates:
+// each needs the Prometheus Operator's CRDs (or Grafana's dashboard
+// sidecar), so each is off by default.
+const monitoringValues = `# Prometheus Operator and Grafana objects (docs/metrics.md, docs/runbooks.md).
+# Each needs the Prometheus Operator's CRDs; all are off by default.
+# labels are added to the object (for example the release label a
+# Prometheus's serviceMonitorSelector or ruleSelector matches).
+monitoring:
+  # A Service for the manager's /metrics (HTTPS) and a ServiceMonitor for it.
+  # Bind Prometheus's service account to the ClusterRole idemcp-metrics-reader.
+  serviceMonitor:
+    enabled: false
+    labels: {}
+  # A PodMonitor for every injected sidecar (pods labelled idemcp.io/inject: "true",
+  # in every namespace), on their port idemcp-admin.
+  podMonitor:
+    enabled: false
+    labels: {}
+  # idemcp's alerts.
+  prometheusRule:
+    enabled: false
+    labels: {}
+  # The Grafana dashboard, as a ConfigMap labelled grafana_dashboard: "1" for
+  # Grafana's dashboard sidecar; namespace defaults to the release's.
+  dashboard:
+    enabled: false
+    labels: {}
+    namespace: ""
+`
+
+// monitoringValue is the value under monitoring that turns a kind on.
+var monitoringValue = map[string]string{
+	"Service":        "serviceMonitor",
+	"ServiceMonitor": "serviceMonitor",
+	"PodMonitor":     "podMonitor",
+	"PrometheusRule": "prometheusRule",
+	"ConfigMap":      "dashboard",
+}
+
+// writeMonitoring writes each object of the monitoring build as a
+// template that renders only when its value is enabled. The objects hold
+// Grafana legends and alert annotations written as {{ ... }}, which are
+// not Helm's: they are escaped so that Helm prints them as they are.
+func writeMonitoring(build []byte, dir string) error {
+	for i, doc := range splitDocs(build) {
+		var m meta
+		if err := yaml.Unmarshal(doc, &m); err != nil {
+			return fmt.Errorf("monitoring document %d: %w", i, err)
+		}
+		if m.Kind == "" {
+			continue
+		}
+		value, ok := monitoringValue[m.Kind]
+		if !ok {
+			return fmt.Errorf("monitoring document %d: no chart value turns a %s on", i, m.Kind)
+		}
+		t := escapeBraces(string(doc))
+		v := ".Values.monitoring." + value
+		ns := "{{ .Release.Namespace }}"
+		if value == "dashboard" {
+			ns = "{{ " + v + ".namespace | default .Release.Namespace }}"
+		}
+		t = strings.ReplaceAll(t, "namespace: "+defaultNamespace, "namespace: "+ns)
+		if !strings.Contains(t, "\nmetadata:\n  labels:\n") {
+			return fmt.Errorf("monitoring document %d (%s): metadata has no labels to add to", i, m.Kind)
+		}
+		t = strings.Replace(t, "\nmetadata:\n  labels:\n", "\nmetadata:\n  labels:\n    {{- with "+v+".labels }}\n    {{- toYaml . | nindent 4 }}\n    {{- end }}\n", 1)
+		t = "{{- if " + v + ".enabled }}\n" + t + "{{- end }}\n"
+		file := strings.ToLower(m.Kind) + "-" + m.Metadata.Name + ".yaml"
+		if err := os.WriteFile(filepath.Join(dir, file), []byte(t), 0o644); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// escapeBraces makes every {{ and }} of s literal text for Helm.
+func escapeBraces(s string) string {
+	const open, closing = "\x00open\x00", "\x00close\x00"
+	s = strings.ReplaceAll(s, "{{", open)
+	s = strings.ReplaceAll(s, "}}", closing)
+	s = strings.ReplaceAll(s, open, `{{ "{{" }}`)
+	return strings.ReplaceAll(s, closing, `{{ "}}" }}`)
 }

@@ -134,5 +134,5 @@ func run(httpAddr, grpcAddr, out string) error {
 	return r.Shutdown(context.Background())
 }
 
-func hexID(id pcommon.TraceID) string { return hex.EncodeToString(id[:]) }
+func hexID(id pcommon.TraceID) string  { return hex.EncodeToString(id[:]) }
 func hexSpan(id pcommon.SpanID) string { return hex.EncodeToString(id[:]) }

@@ -205,7 +205,7 @@ func (m *Middleware) call(ctx context.Context, next mcp.MethodHandler, method st
 		return nil, wireError(err)
 	}
 	if plan == nil {
-		m.engine.CountPassthrough()
+		m.engine.CountPassthrough(r.Params.Name)
 		span.Forwarded()
 		return next(ctx, method, r)
 	}

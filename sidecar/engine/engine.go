@@ -174,9 +174,16 @@ func (e *Engine) Deduplicates(tool string) bool {
 	return dedup
 }
 
-// CountPassthrough counts a tools/call forwarded without deduplication
-// that the transport did not hand to Plan (Plan counts its own).
-func (e *Engine) CountPassthrough() { e.metrics.Calls.WithLabelValues(OutcomePassthrough).Inc() }
+// CountPassthrough counts a tools/call to tool forwarded without
+// deduplication that the transport did not hand to Plan (Plan counts its own).
+func (e *Engine) CountPassthrough(tool string) { e.countCall(OutcomePassthrough, tool) }
+
+// countCall counts a tools/call to tool in idemcp_tool_calls_total and, by
+// tool, in idemcp_tool_calls_by_tool_total.
+func (e *Engine) countCall(outcome, tool string) {
+	e.metrics.Calls.WithLabelValues(outcome).Inc()
+	e.metrics.CallsByTool.WithLabelValues(e.metrics.toolLabel(tool, e.hints.Known(tool)), outcome).Inc()
+}
 
 // Unscoped reports how many calls were forwarded without deduplication
 // because their key would have had no scope (see Plan).
@@ -212,7 +219,7 @@ func explicitScoped(r *policy.Rule, c Caller) bool {
 
 func (e *Engine) countUnscoped(p *policy.Policy, r *policy.Rule, tool string) {
 	e.unscoped.Add(1)
-	e.metrics.Calls.WithLabelValues(OutcomeUnscoped).Inc()
+	e.countCall(OutcomeUnscoped, tool)
 	e.unscopedOnce.Do(func() {
 		e.log.Warn("A call with no session and no principal was forwarded without deduplication: two anonymous callers must never share one execution. "+
 			"Send the "+p.PrincipalHeader+" header (or set principalHeader to a header your gateway sets), or choose keyScope: Global knowingly (an explicit idempotency key needs a principal or a session too); "+
@@ -259,13 +266,13 @@ func (e *Engine) PlanCall(ctx context.Context, tc *ToolCall, c Caller) (*Plan, e
 	if !dedup {
 		// A key on a call that is not deduplicated means nothing to us;
 		// the server gets the call exactly as sent.
-		e.CountPassthrough()
+		e.CountPassthrough(tc.Name)
 		traceOutcome(ctx, tracing.OutcomePassthrough)
 		return nil, nil
 	}
 	explicit, err := ExplicitKey(c, tc.Meta)
 	if err != nil {
-		e.metrics.Calls.WithLabelValues(OutcomeRejected).Inc()
+		e.countCall(OutcomeRejected, tc.Name)
 		traceOutcome(ctx, tracing.OutcomeRejected)
 		return nil, err
 	}
@@ -276,7 +283,7 @@ func (e *Engine) PlanCall(ctx context.Context, tc *ToolCall, c Caller) (*Plan, e
 	}
 	fp, err := Fingerprint(tc.Name, tc.Arguments, rule.IgnoreArguments)
 	if err != nil {
-		e.metrics.Calls.WithLabelValues(OutcomeRejected).Inc()
+		e.countCall(OutcomeRejected, tc.Name)
 		traceOutcome(ctx, tracing.OutcomeRejected)
 		return nil, err
 	}
@@ -355,6 +362,7 @@ type Outcome struct {
 // its key. It returns an *Error to answer without forwarding, or
 // ErrDetached if ctx ended while this call was running upstream.
 func (e *Engine) Execute(ctx context.Context, p *Plan, fwd Forward) (Outcome, error) {
+	start := time.Now()
 	if out, err, found := e.findEarlier(ctx, p); found {
 		return out, err
 	}
@@ -388,17 +396,17 @@ func (e *Engine) Execute(ctx context.Context, p *Plan, fwd Forward) (Outcome, er
 		// Stores never take over a claim of other arguments (the store
 		// contract): an explicit key reused with them is refused, whether
 		// its first call completed, runs or was abandoned.
-		e.metrics.Calls.WithLabelValues(OutcomeRejected).Inc()
+		e.countCall(OutcomeRejected, p.Tool)
 		traceOutcome(ctx, tracing.OutcomeConflict)
 		return Outcome{}, &Error{Code: mcpmsg.CodeKeyConflict, Message: fmt.Sprintf(
 			"idempotency key conflict: this key was already used for a call with different arguments (tool %q); use a new key for a new operation", p.Tool)}
 	case errors.Is(err, claim.ErrInFlight):
-		e.metrics.Calls.WithLabelValues(OutcomeRejected).Inc()
+		e.countCall(OutcomeRejected, p.Tool)
 		traceOutcome(ctx, tracing.OutcomeInFlight)
 		return Outcome{}, &Error{Code: mcpmsg.CodeInFlight, Message: fmt.Sprintf(
 			"a call to %q with this key is still running; retry later to get its result", p.Tool)}
 	case errors.Is(err, claim.ErrWaitTimeout):
-		e.metrics.Calls.WithLabelValues(OutcomeRejected).Inc()
+		e.countCall(OutcomeRejected, p.Tool)
 		traceOutcome(ctx, tracing.OutcomeInFlight)
 		return Outcome{}, &Error{Code: mcpmsg.CodeInFlight, Message: fmt.Sprintf(
 			"a call to %q with this key is still running after waiting %s (waitTimeout); retry later to get its result", p.Tool, p.Policy.WaitTimeout)}
@@ -436,16 +444,16 @@ func (e *Engine) Execute(ctx context.Context, p *Plan, fwd Forward) (Outcome, er
 			e.log.Warn("Took over an abandoned claim", "tool", p.Tool, "key", p.Key)
 			traceReplay(ctx, trace.SpanContext{}, true)
 		}
-		return e.run(ctx, p, owner, fwd, stopRunning)
+		return e.run(ctx, p, owner, start, fwd, stopRunning)
 	case store.Completed:
 		session, resp := taskSession(r.Response)
 		if session != "" && session != sessionHash(p.caller) {
-			e.metrics.Calls.WithLabelValues(OutcomeRejected).Inc()
+			e.countCall(OutcomeRejected, p.Tool)
 			traceOutcome(ctx, tracing.OutcomeRejected)
 			return Outcome{}, &Error{Code: mcpmsg.CodeTaskElsewhere, Message: fmt.Sprintf(
 				"the first call to %q with this key created a task in another MCP session, and a task can be read only in the session that created it; it is not run again. Read the task from that session, or use a new key to start a new one", p.Tool)}
 		}
-		e.metrics.Calls.WithLabelValues(OutcomeReplayed).Inc()
+		e.countCall(OutcomeReplayed, p.Tool)
 		if r.Waited {
 			traceOutcome(ctx, tracing.OutcomeWaited)
 		} else {
@@ -454,7 +462,7 @@ func (e *Engine) Execute(ctx context.Context, p *Plan, fwd Forward) (Outcome, er
 		traceReplay(ctx, r.Execution, false)
 		return Outcome{Kind: Replayed, Response: withExecution(resp, r.Execution)}, nil
 	default: // store.Abandoned
-		e.metrics.Calls.WithLabelValues(OutcomeRejected).Inc()
+		e.countCall(OutcomeRejected, p.Tool)
 		traceOutcome(ctx, tracing.OutcomeOutcomeUnknown)
 		return Outcome{}, &Error{Code: mcpmsg.CodeOutcomeUnknown, Message: fmt.Sprintf(
 			"outcome unknown: the first call to %q with this key stopped mid-call (its sidecar died) and onAbandoned is Error, so it is not run again; check whether it took effect", p.Tool)}
@@ -464,7 +472,7 @@ func (e *Engine) Execute(ctx context.Context, p *Plan, fwd Forward) (Outcome, er
 // stillRunning answers a duplicate whose first call holds the key when the
 // store stops answering.
 func (e *Engine) stillRunning(p *Plan, err error) error {
-	e.metrics.Calls.WithLabelValues(OutcomeRejected).Inc()
+	e.countCall(OutcomeRejected, p.Tool)
 	return &Error{Code: mcpmsg.CodeInFlight, Message: fmt.Sprintf(
 		"a call to %q with this key is running, and the idempotency store became unreachable while waiting for it (%v); retry later to get its result", p.Tool, err)}
 }
@@ -476,7 +484,7 @@ func (e *Engine) storeUnavailable(ctx context.Context, p *Plan, fwd Forward, err
 		if err != nil {
 			return Outcome{}, err
 		}
-		e.metrics.Calls.WithLabelValues(OutcomeFailedOpen).Inc()
+		e.countCall(OutcomeFailedOpen, p.Tool)
 		traceForwarded(ctx)
 		up, ferr := fwd(ctx)
 		if ferr != nil {
@@ -497,21 +505,24 @@ func (e *Engine) storeUnavailable(ctx context.Context, p *Plan, fwd Forward, err
 		return Outcome{Kind: ForwardedOpen}, nil
 	}
 	e.log.Error("Store unavailable, refusing the call (FailClosed)", "tool", p.Tool, "err", err)
-	e.metrics.Calls.WithLabelValues(OutcomeRejected).Inc()
+	e.countCall(OutcomeRejected, p.Tool)
 	return Outcome{}, &Error{Code: mcpmsg.CodeStoreUnavailable, Message: fmt.Sprintf(
 		"the idempotency store is unreachable (%v); %q was not called (onStoreUnavailable: FailClosed); retry later", err, p.Tool)}
 }
 
 // run executes the call this owner won, detached from ctx: a client that
 // disconnects or cancels does not stop it, and its result is stored.
-// stopRunning is called once the call is settled.
-func (e *Engine) run(ctx context.Context, p *Plan, owner string, fwd Forward, stopRunning func()) (Outcome, error) {
+// start is when Execute began: the time until the call is forwarded is
+// what idemcp added to it (idemcp_added_latency_seconds). stopRunning is
+// called once the call is settled.
+func (e *Engine) run(ctx context.Context, p *Plan, owner string, start time.Time, fwd Forward, stopRunning func()) (Outcome, error) {
 	held := claim.Held{Key: p.Key, Owner: owner, Lease: p.Policy.LeaseDuration, Tool: p.Tool}
 	traceOutcome(ctx, tracing.OutcomeExecuted)
 	var began atomic.Bool
 	err := e.claims.Run(ctx, held, func(runCtx context.Context, answer func(error)) {
 		began.Store(true)
 		defer stopRunning()
+		e.metrics.AddedLatency.Observe(time.Since(start).Seconds())
 		traceForwarded(runCtx)
 		up, err := fwd(runCtx)
 		if err == nil && up.Later != nil {
@@ -537,12 +548,12 @@ func (e *Engine) run(ctx context.Context, p *Plan, owner string, fwd Forward, st
 	}
 	switch {
 	case errors.Is(err, claim.ErrDetached):
-		e.metrics.Calls.WithLabelValues(OutcomeExecuted).Inc()
+		e.countCall(OutcomeExecuted, p.Tool)
 		return Outcome{}, ErrDetached
 	case err != nil:
 		return Outcome{}, err
 	}
-	e.metrics.Calls.WithLabelValues(OutcomeExecuted).Inc()
+	e.countCall(OutcomeExecuted, p.Tool)
 	return Outcome{Kind: Executed}, nil
 }
 

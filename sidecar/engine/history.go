@@ -135,7 +135,7 @@ func (e *Engine) findEarlier(ctx context.Context, p *Plan) (out Outcome, err err
 			// or the store failed: Execute answers as it would for its own
 			// key.
 			if errors.Is(rerr, claim.ErrInFlight) || errors.Is(rerr, claim.ErrWaitTimeout) {
-				e.metrics.Calls.WithLabelValues(OutcomeRejected).Inc()
+				e.countCall(OutcomeRejected, p.Tool)
 				return Outcome{}, &Error{Code: mcpmsg.CodeInFlight, Message: "a call to " + strconv.Quote(p.Tool) +
 					" with this key, made before the policy changed, is still running; retry later to get its result"}, true
 			}
@@ -150,15 +150,15 @@ func (e *Engine) findEarlier(ctx context.Context, p *Plan) (out Outcome, err err
 		case store.Completed:
 			session, resp := taskSession(r.Response)
 			if session != "" && session != sessionHash(p.caller) {
-				e.metrics.Calls.WithLabelValues(OutcomeRejected).Inc()
+				e.countCall(OutcomeRejected, p.Tool)
 				return Outcome{}, &Error{Code: mcpmsg.CodeTaskElsewhere, Message: "the first call to " + strconv.Quote(p.Tool) +
 					" with this key created a task in another MCP session, and a task can be read only in the session that created it; it is not run again"}, true
 			}
-			e.metrics.Calls.WithLabelValues(OutcomeReplayed).Inc()
+			e.countCall(OutcomeReplayed, p.Tool)
 			e.metrics.EarlierReplays.Inc()
 			return Outcome{Kind: Replayed, Response: resp}, nil, true
 		default: // store.Abandoned
-			e.metrics.Calls.WithLabelValues(OutcomeRejected).Inc()
+			e.countCall(OutcomeRejected, p.Tool)
 			return Outcome{}, &Error{Code: mcpmsg.CodeOutcomeUnknown, Message: "outcome unknown: the first call to " + strconv.Quote(p.Tool) +
 				" with this key stopped mid-call (its sidecar died) and onAbandoned is Error, so it is not run again; check whether it took effect"}, true
 		}

@@ -115,7 +115,7 @@ func (e *Engine) Waiting() int {
 }
 
 func (e *Engine) tooManyWaiters(p *Plan, limit string) error {
-	e.metrics.Calls.WithLabelValues(OutcomeRejected).Inc()
+	e.countCall(OutcomeRejected, p.Tool)
 	e.metrics.OverLimit.WithLabelValues(limit).Inc()
 	var msg string
 	if limit == LimitWaitersPerKey {
@@ -185,7 +185,7 @@ func (e *Engine) startRunning(p *Plan) (func(), error) {
 		e.metrics.Running.Inc()
 		return sync.OnceFunc(func() { release(); e.metrics.Running.Dec() }), nil
 	}
-	e.metrics.Calls.WithLabelValues(OutcomeRejected).Inc()
+	e.countCall(OutcomeRejected, p.Tool)
 	e.metrics.OverLimit.WithLabelValues(over).Inc()
 	msg := fmt.Sprintf("this caller already has %d calls running through the idemcp sidecar (--max-running-per-principal), counting those its clients left; the call to %q was not run: retry later", e.running.maxTenant, p.Tool)
 	if over == LimitRunningTotal {

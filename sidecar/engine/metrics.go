@@ -1,6 +1,10 @@
 package engine
 
-import "github.com/prometheus/client_golang/prometheus"
+import (
+	"sync"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
 
 // Metrics are the engine's Prometheus series.
 type Metrics struct {
@@ -15,6 +19,45 @@ type Metrics struct {
 	// EarlierReplays counts replays found under the key a call had before
 	// a policy change moved it (history.go).
 	EarlierReplays prometheus.Counter
+	// CallsByTool is Calls by tool as well: idemcp_tool_calls_by_tool_total.
+	// Its tool label is bounded (see toolLabel).
+	CallsByTool *prometheus.CounterVec
+	// AddedLatency is the time a call that runs upstream spends in idemcp
+	// before it is forwarded: classifying it and claiming its key.
+	AddedLatency prometheus.Histogram
+
+	mu sync.Mutex
+	// unlisted are the tool names no listing named that got a label of
+	// their own, at most maxUnlistedToolLabels.
+	unlisted map[string]bool
+}
+
+// ToolOther is the tool label of idemcp_tool_calls_by_tool_total for a
+// tool no listing named, once maxUnlistedToolLabels such names have a
+// label: a client sends any name it likes, and each would be a series.
+const ToolOther = "other"
+
+const maxUnlistedToolLabels = 64
+
+// toolLabel is tool itself if the server listed it or fewer than
+// maxUnlistedToolLabels unlisted names came before it; otherwise ToolOther.
+func (m *Metrics) toolLabel(tool string, listed bool) string {
+	if listed {
+		return tool
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.unlisted[tool] {
+		return tool
+	}
+	if len(m.unlisted) >= maxUnlistedToolLabels {
+		return ToolOther
+	}
+	if m.unlisted == nil {
+		m.unlisted = map[string]bool{}
+	}
+	m.unlisted[tool] = true
+	return tool
 }
 
 // Outcome labels of idemcp_tool_calls_total.
@@ -68,9 +111,18 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name: "idemcp_replays_under_earlier_policy_total",
 			Help: "Retries replayed from the key they had under an earlier policy, because a live change of keyScope or ignoreArguments moved their key; they are also counted as replayed.",
 		}),
+		CallsByTool: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "idemcp_tool_calls_by_tool_total",
+			Help: "tools/call requests by tool and outcome (the outcomes of idemcp_tool_calls_total); a tool no tools/list named is \"other\" once 64 such names are counted.",
+		}, []string{"tool", "outcome"}),
+		AddedLatency: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "idemcp_added_latency_seconds",
+			Help:    "Time a deduplicated call that runs upstream spends in idemcp before it is forwarded (classifying it, claiming its key in the store).",
+			Buckets: []float64{.0001, .00025, .0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5},
+		}),
 	}
 	if reg != nil {
-		reg.MustRegister(m.Calls, m.Classified, m.NotStored, m.StoreErrors, m.TakeOvers, m.Panics, m.OverLimit, m.Running, m.EarlierReplays)
+		reg.MustRegister(m.Calls, m.Classified, m.NotStored, m.StoreErrors, m.TakeOvers, m.Panics, m.OverLimit, m.Running, m.EarlierReplays, m.CallsByTool, m.AddedLatency)
 	}
 	return m
 }

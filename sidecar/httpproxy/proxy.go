@@ -289,7 +289,7 @@ func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		if name, ok := decodeHeaderValue(r.Header.Get(HeaderName)); ok && name != "" && !p.engine.Deduplicates(name) {
 			// If the header lies about the body, the server rejects the
 			// mismatch; nothing here depends on it.
-			p.engine.CountPassthrough()
+			p.engine.CountPassthrough(name)
 			ctx, span := p.engine.StartCall(r.Context(), p.callInfo(r, name, nil, nil))
 			defer span.End()
 			span.Passthrough()
