@@ -16,7 +16,7 @@ import (
 	"time"
 
 	"github.com/idemcp/idemcp/internal/cli"
-	"github.com/idemcp/idemcp/sidecar/store/redis/redistest"
+	"github.com/idemcp/idemcp/internal/store/redis/redistest"
 )
 
 // These tests run the real command line: the test binary re-runs itself as

@@ -22,7 +22,7 @@ import (
 	"github.com/idemcp/idemcp/internal/bounded"
 	"github.com/idemcp/idemcp/internal/credentials"
 	"github.com/idemcp/idemcp/internal/policy"
-	"github.com/idemcp/idemcp/sidecar/store"
+	"github.com/idemcp/idemcp/internal/store"
 )
 
 // The seal Secret of a policy holds, under SealKeysKey, the keyring that

@@ -69,10 +69,10 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemcp/idemcp/internal/claim"
+	"github.com/idemcp/idemcp/internal/store"
+	pgstore "github.com/idemcp/idemcp/internal/store/postgres"
+	redisstore "github.com/idemcp/idemcp/internal/store/redis"
 	"github.com/idemcp/idemcp/internal/tracing"
-	"github.com/idemcp/idemcp/sidecar/store"
-	pgstore "github.com/idemcp/idemcp/sidecar/store/postgres"
-	redisstore "github.com/idemcp/idemcp/sidecar/store/redis"
 )
 
 // Store keeps claims and results. Use NewMemoryStore, NewRedisStore or

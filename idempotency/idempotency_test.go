@@ -10,9 +10,9 @@ import (
 	"time"
 
 	"github.com/idemcp/idemcp/idempotency"
-	"github.com/idemcp/idemcp/sidecar/store"
-	"github.com/idemcp/idemcp/sidecar/store/postgres/pgtest"
-	"github.com/idemcp/idemcp/sidecar/store/redis/redistest"
+	"github.com/idemcp/idemcp/internal/store"
+	"github.com/idemcp/idemcp/internal/store/postgres/pgtest"
+	"github.com/idemcp/idemcp/internal/store/redis/redistest"
 )
 
 // countingStore counts Reserve calls: store round trips per call.

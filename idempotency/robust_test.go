@@ -13,7 +13,7 @@ import (
 	"time"
 
 	"github.com/idemcp/idemcp/idempotency"
-	"github.com/idemcp/idemcp/sidecar/store"
+	"github.com/idemcp/idemcp/internal/store"
 )
 
 // Options out of range are an error naming the option and what it

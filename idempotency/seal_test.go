@@ -11,8 +11,8 @@ import (
 	"testing"
 
 	"github.com/idemcp/idemcp/idempotency"
-	"github.com/idemcp/idemcp/sidecar/store/postgres/pgtest"
-	"github.com/idemcp/idemcp/sidecar/store/redis/redistest"
+	"github.com/idemcp/idemcp/internal/store/postgres/pgtest"
+	"github.com/idemcp/idemcp/internal/store/redis/redistest"
 )
 
 // logBuffer is a logger whose output a test reads.

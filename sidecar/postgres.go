@@ -11,9 +11,9 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/idemcp/idemcp/internal/policy"
-	"github.com/idemcp/idemcp/sidecar/store"
-	pgstore "github.com/idemcp/idemcp/sidecar/store/postgres"
-	redisstore "github.com/idemcp/idemcp/sidecar/store/redis"
+	"github.com/idemcp/idemcp/internal/store"
+	pgstore "github.com/idemcp/idemcp/internal/store/postgres"
+	redisstore "github.com/idemcp/idemcp/internal/store/redis"
 )
 
 // extraFlags registers the flags that follow the conventions of other

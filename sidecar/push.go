@@ -6,10 +6,10 @@ import (
 	"flag"
 	"os"
 
+	"github.com/idemcp/idemcp/internal/engine"
 	"github.com/idemcp/idemcp/internal/policywire"
-	"github.com/idemcp/idemcp/sidecar/engine"
+	"github.com/idemcp/idemcp/internal/store"
 	"github.com/idemcp/idemcp/sidecar/policysync"
-	"github.com/idemcp/idemcp/sidecar/store"
 )
 
 // PushOptions reach the manager's policy stream; the webhook sets them.

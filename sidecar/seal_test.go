@@ -15,11 +15,11 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
 
+	"github.com/idemcp/idemcp/internal/engine"
 	"github.com/idemcp/idemcp/internal/policy"
-	"github.com/idemcp/idemcp/sidecar/engine"
-	"github.com/idemcp/idemcp/sidecar/store"
-	"github.com/idemcp/idemcp/sidecar/store/postgres/pgtest"
-	"github.com/idemcp/idemcp/sidecar/store/redis/redistest"
+	"github.com/idemcp/idemcp/internal/store"
+	"github.com/idemcp/idemcp/internal/store/postgres/pgtest"
+	"github.com/idemcp/idemcp/internal/store/redis/redistest"
 )
 
 func sealKey() string {

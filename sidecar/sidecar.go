@@ -26,13 +26,13 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/idemcp/idemcp/internal/cli"
+	"github.com/idemcp/idemcp/internal/engine"
 	"github.com/idemcp/idemcp/internal/policy"
+	"github.com/idemcp/idemcp/internal/store"
+	redisstore "github.com/idemcp/idemcp/internal/store/redis"
 	"github.com/idemcp/idemcp/internal/tracing"
-	"github.com/idemcp/idemcp/sidecar/engine"
 	"github.com/idemcp/idemcp/sidecar/httpproxy"
 	"github.com/idemcp/idemcp/sidecar/policysync"
-	"github.com/idemcp/idemcp/sidecar/store"
-	redisstore "github.com/idemcp/idemcp/sidecar/store/redis"
 	"github.com/idemcp/idemcp/sidecar/toollist"
 )
 

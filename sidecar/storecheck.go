@@ -13,8 +13,8 @@ import (
 
 	"github.com/idemcp/idemcp/api/v1alpha1"
 	"github.com/idemcp/idemcp/internal/policy"
-	"github.com/idemcp/idemcp/sidecar/store"
-	redisstore "github.com/idemcp/idemcp/sidecar/store/redis"
+	"github.com/idemcp/idemcp/internal/store"
+	redisstore "github.com/idemcp/idemcp/internal/store/redis"
 )
 
 // StoreInfo says which store a sidecar or wrapper runs on, as its startup

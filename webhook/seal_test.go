@@ -8,7 +8,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"github.com/idemcp/idemcp/api/v1alpha1"
-	"github.com/idemcp/idemcp/sidecar/store"
+	"github.com/idemcp/idemcp/internal/store"
 	"github.com/idemcp/idemcp/test/envtestutil"
 )
 

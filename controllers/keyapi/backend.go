@@ -18,8 +18,8 @@ import (
 	"github.com/idemcp/idemcp/internal/credentials"
 	"github.com/idemcp/idemcp/internal/policy"
 	"github.com/idemcp/idemcp/internal/policywire"
-	"github.com/idemcp/idemcp/sidecar/store"
-	redisstore "github.com/idemcp/idemcp/sidecar/store/redis"
+	"github.com/idemcp/idemcp/internal/store"
+	redisstore "github.com/idemcp/idemcp/internal/store/redis"
 )
 
 // backend is where a policy's records are.

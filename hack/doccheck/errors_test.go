@@ -11,10 +11,10 @@ import (
 )
 
 // TestErrorCodesDocumented checks that every JSON-RPC error code idemcp
-// defines (the Code constants of sidecar/mcpmsg) has a row in
+// defines (the Code constants of internal/mcpmsg) has a row in
 // docs/errors.md's summary and a section with its cause and fix.
 func TestErrorCodesDocumented(t *testing.T) {
-	src := filepath.Join(root, "sidecar", "mcpmsg", "mcpmsg.go")
+	src := filepath.Join(root, "internal", "mcpmsg", "mcpmsg.go")
 	file, err := parser.ParseFile(token.NewFileSet(), src, nil, 0)
 	if err != nil {
 		t.Fatal(err)

@@ -19,6 +19,10 @@ var dataPlane = []string{
 	"github.com/idemcp/idemcp/sidecar/...",
 	"github.com/idemcp/idemcp/idempotency/...",
 	"github.com/idemcp/idemcp/internal/claim",
+	"github.com/idemcp/idemcp/internal/engine",
+	"github.com/idemcp/idemcp/internal/store/...",
+	"github.com/idemcp/idemcp/internal/mcpmsg",
+	"github.com/idemcp/idemcp/internal/canonical",
 }
 
 // controlPlane are the module paths the data plane must not link.

@@ -51,9 +51,9 @@ import (
 
 	"github.com/idemcp/idemcp/api/v1alpha1"
 	"github.com/idemcp/idemcp/idempotency"
+	"github.com/idemcp/idemcp/internal/engine"
 	"github.com/idemcp/idemcp/internal/policy"
 	"github.com/idemcp/idemcp/internal/tracing"
-	"github.com/idemcp/idemcp/sidecar/engine"
 )
 
 // Options configure a Middleware.

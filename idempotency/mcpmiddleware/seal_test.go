@@ -11,7 +11,7 @@ import (
 
 	"github.com/idemcp/idemcp/idempotency"
 	"github.com/idemcp/idemcp/idempotency/mcpmiddleware"
-	"github.com/idemcp/idemcp/sidecar/store/redis/redistest"
+	"github.com/idemcp/idemcp/internal/store/redis/redistest"
 )
 
 // The seal keys a shared store is opened with reach the middleware's

@@ -22,7 +22,7 @@ import (
 
 	"go.opentelemetry.io/otel/trace"
 
-	"github.com/idemcp/idemcp/sidecar/store"
+	"github.com/idemcp/idemcp/internal/store"
 )
 
 // Options configure a Protocol.

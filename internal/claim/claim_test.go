@@ -12,7 +12,7 @@ import (
 	"time"
 
 	"github.com/idemcp/idemcp/internal/claim"
-	"github.com/idemcp/idemcp/sidecar/store"
+	"github.com/idemcp/idemcp/internal/store"
 )
 
 // settling is a store whose Completes fail as a test says, recording when

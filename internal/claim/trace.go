@@ -8,8 +8,8 @@ import (
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/idemcp/idemcp/internal/store"
 	"github.com/idemcp/idemcp/internal/tracing"
-	"github.com/idemcp/idemcp/sidecar/store"
 )
 
 // Reservation is what Reserve found, with what the protocol knows besides

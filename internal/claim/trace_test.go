@@ -10,7 +10,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemcp/idemcp/internal/claim"
-	"github.com/idemcp/idemcp/sidecar/store"
+	"github.com/idemcp/idemcp/internal/store"
 )
 
 // spying keeps what was last stored, as a reader of the store sees it.

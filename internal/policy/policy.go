@@ -26,8 +26,8 @@ import (
 	"sigs.k8s.io/yaml"
 
 	"github.com/idemcp/idemcp/api/v1alpha1"
+	"github.com/idemcp/idemcp/internal/canonical"
 	"github.com/idemcp/idemcp/internal/suggest"
-	"github.com/idemcp/idemcp/sidecar/canonical"
 )
 
 // Defaults of an empty spec, as the CRD schema also declares them.

@@ -17,10 +17,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/idemcp/idemcp/internal/engine"
 	"github.com/idemcp/idemcp/internal/freeport"
 	"github.com/idemcp/idemcp/internal/policy"
-	"github.com/idemcp/idemcp/sidecar/engine"
-	"github.com/idemcp/idemcp/sidecar/store"
+	"github.com/idemcp/idemcp/internal/store"
 )
 
 // lockedLog collects an http.Server's ErrorLog.

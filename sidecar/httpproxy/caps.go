@@ -6,8 +6,8 @@ import (
 	"net/http"
 	"sync"
 
-	"github.com/idemcp/idemcp/sidecar/engine"
-	"github.com/idemcp/idemcp/sidecar/mcpmsg"
+	"github.com/idemcp/idemcp/internal/engine"
+	"github.com/idemcp/idemcp/internal/mcpmsg"
 )
 
 // A server may list some tools only to clients that declare a capability

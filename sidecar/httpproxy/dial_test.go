@@ -19,9 +19,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/idemcp/idemcp/internal/engine"
 	"github.com/idemcp/idemcp/internal/freeport"
-	"github.com/idemcp/idemcp/sidecar/engine"
-	"github.com/idemcp/idemcp/sidecar/store"
+	"github.com/idemcp/idemcp/internal/store"
 )
 
 // Tests may only reach loopback, so 127.0.0.2 plays the pod's IP: another

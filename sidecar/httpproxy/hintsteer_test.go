@@ -13,8 +13,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/idemcp/idemcp/sidecar/engine"
-	"github.com/idemcp/idemcp/sidecar/store"
+	"github.com/idemcp/idemcp/internal/engine"
+	"github.com/idemcp/idemcp/internal/store"
 )
 
 // twoEndpoints serves /mcp, where charge has a side effect, and

@@ -3,8 +3,8 @@ package httpproxy
 import (
 	"encoding/json"
 
+	"github.com/idemcp/idemcp/internal/mcpmsg"
 	"github.com/idemcp/idemcp/sidecar/idscan"
-	"github.com/idemcp/idemcp/sidecar/mcpmsg"
 )
 
 // idScanner tells which call a response too large to hold answers.

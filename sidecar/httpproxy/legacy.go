@@ -36,8 +36,8 @@ import (
 	"sync"
 	"sync/atomic"
 
-	"github.com/idemcp/idemcp/sidecar/engine"
-	"github.com/idemcp/idemcp/sidecar/mcpmsg"
+	"github.com/idemcp/idemcp/internal/engine"
+	"github.com/idemcp/idemcp/internal/mcpmsg"
 )
 
 // maxLegacyWatches bounds the tools/list ids a session remembers while

@@ -15,8 +15,8 @@ import (
 
 	dto "github.com/prometheus/client_model/go"
 
-	"github.com/idemcp/idemcp/sidecar/engine"
-	"github.com/idemcp/idemcp/sidecar/store"
+	"github.com/idemcp/idemcp/internal/engine"
+	"github.com/idemcp/idemcp/internal/store"
 )
 
 // oddLegacy is a legacy (2024-11-05) server with the odd habits real ones

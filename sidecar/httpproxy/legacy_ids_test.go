@@ -6,7 +6,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/idemcp/idemcp/sidecar/mcpmsg"
+	"github.com/idemcp/idemcp/internal/mcpmsg"
 )
 
 // nextRaw returns the next message on the stream, undecoded.

@@ -14,8 +14,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/idemcp/idemcp/sidecar/engine"
-	"github.com/idemcp/idemcp/sidecar/store"
+	"github.com/idemcp/idemcp/internal/engine"
+	"github.com/idemcp/idemcp/internal/store"
 )
 
 // methodLog records the methods of the requests that reach the server.

@@ -9,8 +9,8 @@ import (
 	"strings"
 	"sync"
 
-	"github.com/idemcp/idemcp/sidecar/engine"
-	"github.com/idemcp/idemcp/sidecar/mcpmsg"
+	"github.com/idemcp/idemcp/internal/engine"
+	"github.com/idemcp/idemcp/internal/mcpmsg"
 )
 
 // maxToolsListBytes bounds how much of a tools/list response is kept to

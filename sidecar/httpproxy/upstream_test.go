@@ -17,9 +17,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/idemcp/idemcp/internal/engine"
 	"github.com/idemcp/idemcp/internal/policy"
-	"github.com/idemcp/idemcp/sidecar/engine"
-	"github.com/idemcp/idemcp/sidecar/store"
+	"github.com/idemcp/idemcp/internal/store"
 	"github.com/idemcp/idemcp/test/poll"
 )
 

@@ -6,7 +6,7 @@ import (
 	"time"
 
 	"github.com/idemcp/idemcp/internal/policywire"
-	"github.com/idemcp/idemcp/sidecar/store"
+	"github.com/idemcp/idemcp/internal/store"
 )
 
 // keysTimeout bounds one key operation on the sidecar's own store.

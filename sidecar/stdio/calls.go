@@ -6,7 +6,7 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/idemcp/idemcp/sidecar/engine"
+	"github.com/idemcp/idemcp/internal/engine"
 )
 
 // dedupCall is one deduplicated tools/call from the client, from the line

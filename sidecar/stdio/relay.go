@@ -9,8 +9,8 @@ import (
 	"io"
 	"time"
 
-	"github.com/idemcp/idemcp/sidecar/engine"
-	"github.com/idemcp/idemcp/sidecar/mcpmsg"
+	"github.com/idemcp/idemcp/internal/engine"
+	"github.com/idemcp/idemcp/internal/mcpmsg"
 )
 
 // readClient relays the client's messages to the child until stdin ends.

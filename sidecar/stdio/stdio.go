@@ -24,10 +24,10 @@ import (
 	"time"
 
 	"github.com/idemcp/idemcp/internal/cli"
+	"github.com/idemcp/idemcp/internal/engine"
+	"github.com/idemcp/idemcp/internal/store"
 	"github.com/idemcp/idemcp/internal/tracing"
 	"github.com/idemcp/idemcp/sidecar"
-	"github.com/idemcp/idemcp/sidecar/engine"
-	"github.com/idemcp/idemcp/sidecar/store"
 	"github.com/idemcp/idemcp/sidecar/toollist"
 )
 

@@ -13,8 +13,8 @@ import (
 	"strconv"
 	"sync/atomic"
 
-	"github.com/idemcp/idemcp/sidecar/engine"
-	"github.com/idemcp/idemcp/sidecar/mcpmsg"
+	"github.com/idemcp/idemcp/internal/engine"
+	"github.com/idemcp/idemcp/internal/mcpmsg"
 )
 
 // maxPages bounds a listing against a server whose cursors never end.

@@ -11,8 +11,8 @@ import (
 	"strconv"
 	"strings"
 
-	"github.com/idemcp/idemcp/sidecar/engine"
-	"github.com/idemcp/idemcp/sidecar/mcpmsg"
+	"github.com/idemcp/idemcp/internal/engine"
+	"github.com/idemcp/idemcp/internal/mcpmsg"
 )
 
 // legacyVersion is the revision of the legacy HTTP+SSE transport.

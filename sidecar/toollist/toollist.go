@@ -18,7 +18,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
-	"github.com/idemcp/idemcp/sidecar/engine"
+	"github.com/idemcp/idemcp/internal/engine"
 )
 
 // ListFunc does one full listing (every page), feeding each page's result

@@ -13,8 +13,8 @@ import (
 	"github.com/modelcontextprotocol/go-sdk/mcp"
 	dto "github.com/prometheus/client_model/go"
 
-	"github.com/idemcp/idemcp/sidecar/engine"
-	"github.com/idemcp/idemcp/sidecar/store"
+	"github.com/idemcp/idemcp/internal/engine"
+	"github.com/idemcp/idemcp/internal/store"
 )
 
 // sdkServer is a real Go SDK server with one tool per page; the last is

@@ -11,14 +11,14 @@ import (
 	"testing"
 	"time"
 
-	"github.com/idemcp/idemcp/sidecar/canonical"
-	"github.com/idemcp/idemcp/sidecar/engine"
-	"github.com/idemcp/idemcp/sidecar/store"
+	"github.com/idemcp/idemcp/internal/canonical"
+	"github.com/idemcp/idemcp/internal/engine"
+	"github.com/idemcp/idemcp/internal/store"
 )
 
-const enginePkg = "github.com/idemcp/idemcp/sidecar/engine"
+const enginePkg = "github.com/idemcp/idemcp/internal/engine"
 
-// What each engine benchmark (sidecar/engine/bench_test.go) covers.
+// What each engine benchmark (internal/engine/bench_test.go) covers.
 var engineBenchNotes = map[string]string{
 	"BenchmarkKeyDerivation":  "parse a tools/call's params, canonicalize the arguments (RFC 8785), sha256 fingerprint and key",
 	"BenchmarkExecuted":       "a deduplicated call that runs: plan, claim in the memory store, forward (stubbed), store the result",
@@ -28,14 +28,14 @@ var engineBenchNotes = map[string]string{
 }
 
 // The arguments of the engine benchmarks' "typical" tools/call
-// (sidecar/engine/bench_test.go), for the cost breakdown below.
+// (internal/engine/bench_test.go), for the cost breakdown below.
 const typicalArgs = `{"card":"4242424242424242","amount":129.99,"currency":"EUR","customer":{"id":"cus_8f2k","email":"ada@example.com"},"description":"Order 10023","requestedAt":"2026-11-30T10:00:00Z"}`
 
 const typicalParams = `{"name":"charge_card","arguments":` + typicalArgs + `,"_meta":{"progressToken":7}}`
 
 func goBenchSection(w *bytes.Buffer) {
 	fmt.Fprintf(w, "\n## 3. Engine Go benchmarks (absolute figures)\n\n")
-	fmt.Fprintf(w, "`go test -run '^$' -bench . -benchmem %s`, run after the measurements above. These are\n", "./sidecar/engine/")
+	fmt.Fprintf(w, "`go test -run '^$' -bench . -benchmem %s`, run after the measurements above. These are\n", "./internal/engine/")
 	fmt.Fprintf(w, "absolute costs on this machine, not ratios: use them to see where the engine's time goes, not to compare runs.\n\n")
 	out, err := exec.Command("go", "test", "-run", "^$", "-bench", ".", "-benchmem", enginePkg).CombinedOutput()
 	rows := parseBench(out)

@@ -18,8 +18,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/idemcp/idemcp/internal/store"
 	"github.com/idemcp/idemcp/sidecar"
-	"github.com/idemcp/idemcp/sidecar/store"
 	"github.com/idemcp/idemcp/test/mcpserver"
 )
 

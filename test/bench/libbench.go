@@ -28,7 +28,7 @@ var libBenchNotes = map[string]string{
 // and PostgreSQL.
 func libBenchSection(w *bytes.Buffer) {
 	fmt.Fprintf(w, "\n## 4. In-process middleware and stores (absolute figures)\n\n")
-	pkgs := []string{"./idempotency/mcpmiddleware/", "./sidecar/store/postgres/"}
+	pkgs := []string{"./idempotency/mcpmiddleware/", "./internal/store/postgres/"}
 	fmt.Fprintf(w, "`go test -run '^$' -bench . -benchmem -benchtime 2000x %s`. The middleware adds no network hop: its\n", strings.Join(pkgs, " "))
 	fmt.Fprintf(w, "cost is the difference to Direct. A store's figure is what it adds to every deduplicated call.\n\n")
 	args := append([]string{"test", "-run", "^$", "-bench", ".", "-benchmem", "-benchtime", "2000x"}, pkgs...)

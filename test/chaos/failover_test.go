@@ -8,7 +8,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/idemcp/idemcp/sidecar/store/redis/redistest"
+	"github.com/idemcp/idemcp/internal/store/redis/redistest"
 )
 
 const (

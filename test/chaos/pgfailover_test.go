@@ -9,7 +9,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
-	"github.com/idemcp/idemcp/sidecar/store/postgres/pgtest"
+	"github.com/idemcp/idemcp/internal/store/postgres/pgtest"
 )
 
 // PostgreSQL faults: the primary killed and its standby promoted (a new

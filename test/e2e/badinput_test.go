@@ -13,8 +13,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/idemcp/idemcp/internal/mcpmsg"
 	"github.com/idemcp/idemcp/sidecar"
-	"github.com/idemcp/idemcp/sidecar/mcpmsg"
 )
 
 type rpcReply struct {

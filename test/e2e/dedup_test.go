@@ -15,8 +15,8 @@ import (
 
 	"github.com/modelcontextprotocol/go-sdk/mcp"
 
+	"github.com/idemcp/idemcp/internal/mcpmsg"
 	"github.com/idemcp/idemcp/sidecar"
-	"github.com/idemcp/idemcp/sidecar/mcpmsg"
 	"github.com/idemcp/idemcp/sidecar/toollist"
 	"github.com/idemcp/idemcp/test/mcpserver"
 	"github.com/idemcp/idemcp/test/poll"

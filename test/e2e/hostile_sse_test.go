@@ -18,7 +18,7 @@ import (
 	"github.com/modelcontextprotocol/go-sdk/mcp"
 
 	"github.com/idemcp/idemcp/internal/freeport"
-	"github.com/idemcp/idemcp/sidecar/mcpmsg"
+	"github.com/idemcp/idemcp/internal/mcpmsg"
 	"github.com/idemcp/idemcp/test/procs"
 )
 

@@ -9,8 +9,8 @@ import (
 
 	"github.com/modelcontextprotocol/go-sdk/mcp"
 
+	"github.com/idemcp/idemcp/internal/store/redis/redistest"
 	"github.com/idemcp/idemcp/sidecar"
-	"github.com/idemcp/idemcp/sidecar/store/redis/redistest"
 	"github.com/idemcp/idemcp/test/mcpserver"
 )
 

@@ -14,9 +14,9 @@ import (
 
 	"github.com/idemcp/idemcp/idempotency"
 	"github.com/idemcp/idemcp/idempotency/mcpmiddleware"
-	"github.com/idemcp/idemcp/sidecar/mcpmsg"
-	"github.com/idemcp/idemcp/sidecar/store/postgres/pgtest"
-	"github.com/idemcp/idemcp/sidecar/store/redis/redistest"
+	"github.com/idemcp/idemcp/internal/mcpmsg"
+	"github.com/idemcp/idemcp/internal/store/postgres/pgtest"
+	"github.com/idemcp/idemcp/internal/store/redis/redistest"
 	"github.com/idemcp/idemcp/test/mcpserver"
 )
 

@@ -11,9 +11,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/idemcp/idemcp/internal/mcpmsg"
+	"github.com/idemcp/idemcp/internal/store/redis/redistest"
 	"github.com/idemcp/idemcp/sidecar"
-	"github.com/idemcp/idemcp/sidecar/mcpmsg"
-	"github.com/idemcp/idemcp/sidecar/store/redis/redistest"
 	"github.com/idemcp/idemcp/test/mcpserver"
 )
 

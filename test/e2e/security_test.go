@@ -17,7 +17,7 @@ import (
 	"github.com/modelcontextprotocol/go-sdk/mcp"
 	goredis "github.com/redis/go-redis/v9"
 
-	"github.com/idemcp/idemcp/sidecar/store/redis/redistest"
+	"github.com/idemcp/idemcp/internal/store/redis/redistest"
 	"github.com/idemcp/idemcp/test/procs"
 )
 

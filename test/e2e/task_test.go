@@ -8,8 +8,8 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/idemcp/idemcp/internal/mcpmsg"
 	"github.com/idemcp/idemcp/sidecar"
-	"github.com/idemcp/idemcp/sidecar/mcpmsg"
 )
 
 // everythingSession opens a 2025-11-25 session with server-everything at

@@ -7,7 +7,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/idemcp/idemcp/sidecar/mcpmsg"
+	"github.com/idemcp/idemcp/internal/mcpmsg"
 )
 
 const (

@@ -7,7 +7,7 @@ import (
 
 	"github.com/modelcontextprotocol/go-sdk/mcp"
 
-	"github.com/idemcp/idemcp/sidecar/store/redis/redistest"
+	"github.com/idemcp/idemcp/internal/store/redis/redistest"
 )
 
 // TestWrapSharesRedisAcrossProcesses: two wrapper processes (each with its

@@ -49,7 +49,7 @@ import (
 	"github.com/idemcp/idemcp/internal/freeport"
 	"github.com/idemcp/idemcp/internal/plugin"
 	"github.com/idemcp/idemcp/internal/policywire"
-	"github.com/idemcp/idemcp/sidecar/store/redis/redistest"
+	"github.com/idemcp/idemcp/internal/store/redis/redistest"
 	"github.com/idemcp/idemcp/test/envtestutil"
 	"github.com/idemcp/idemcp/test/procs"
 	"github.com/idemcp/idemcp/test/testdeps"

@@ -1,0 +1,109 @@
+package engine
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/json"
+	"strconv"
+	"testing"
+
+	"github.com/idemcp/idemcp/internal/mcpmsg"
+	"github.com/idemcp/idemcp/internal/store"
+)
+
+// A typical tools/call: a handful of arguments, a nested object, a _meta.
+const typicalParams = `{"name":"charge_card","arguments":{"card":"4242424242424242","amount":129.99,"currency":"EUR","customer":{"id":"cus_8f2k","email":"ada@example.com"},"description":"Order 10023","requestedAt":"2026-11-30T10:00:00Z"},"_meta":{"progressToken":7}}`
+
+const typicalResponse = `{"jsonrpc":"2.0","id":1,"result":{"content":[{"type":"text","text":"charged 129.99 EUR to card ending 4242 (charge ch_3k2j)"}],"structuredContent":{"chargeId":"ch_3k2j","status":"succeeded"}}}`
+
+func benchEngine(b *testing.B) *Engine {
+	return benchEngineOn(b, store.NewMemory(1<<20))
+}
+
+func benchEngineOn(b *testing.B, st store.Store) *Engine {
+	return New(Options{Policy: mustPolicy(b, `spec: {tools: [{name: charge_*, ignoreArguments: [/requestedAt]}]}`), Store: st})
+}
+
+// sealedMemory is the memory store with every result sealed (AES-256-GCM),
+// as a shared store is in a pod: the difference to the unsealed benchmark
+// is what sealing costs a call.
+func sealedMemory(b *testing.B) store.Store {
+	key := make([]byte, store.SealKeyBytes)
+	_, _ = rand.Read(key)
+	ring, err := store.NewKeyring(key)
+	if err != nil {
+		b.Fatal(err)
+	}
+	return store.Seal(store.NewMemory(1<<20), store.SealOptions{Keyring: ring, Context: "idemcp:shop/payments:"})
+}
+
+// BenchmarkKeyDerivation: parse a tools/call's params and derive its key.
+func BenchmarkKeyDerivation(b *testing.B) {
+	e := benchEngine(b)
+	c := Caller{Principal: "Bearer eyJhbGciOiJIUzI1NiJ9.abc", Session: "ZHL44CT3BECYYNDE3B3PQH3UAV"}
+	b.ReportAllocs()
+	for b.Loop() {
+		tc, err := ParseToolCall(json.RawMessage(typicalParams))
+		if err != nil {
+			b.Fatal(err)
+		}
+		if _, err := e.Plan(tc, c); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
+// BenchmarkExecuted: a deduplicated call that runs (a new key each time):
+// plan, reserve, forward, store the result.
+func BenchmarkExecuted(b *testing.B) { benchExecuted(b, benchEngine(b)) }
+
+// BenchmarkExecutedSealed: BenchmarkExecuted with the result sealed.
+func BenchmarkExecutedSealed(b *testing.B) { benchExecuted(b, benchEngineOn(b, sealedMemory(b))) }
+
+func benchExecuted(b *testing.B, e *Engine) {
+	resp := []byte(typicalResponse)
+	fwd := func(context.Context) (Upstream, error) { return Upstream{Response: resp, Status: 200}, nil }
+	ctx := context.Background()
+	i := 0
+	b.ReportAllocs()
+	for b.Loop() {
+		i++
+		tc, _ := ParseToolCall(json.RawMessage(typicalParams))
+		p, err := e.Plan(tc, Caller{Session: strconv.Itoa(i)})
+		if err != nil {
+			b.Fatal(err)
+		}
+		if out, err := e.Execute(ctx, p, fwd); err != nil || out.Kind != Executed {
+			b.Fatal(out, err)
+		}
+	}
+}
+
+// BenchmarkReplay: a retry answered from the store with the caller's id.
+func BenchmarkReplay(b *testing.B) { benchReplay(b, benchEngine(b)) }
+
+// BenchmarkReplaySealed: BenchmarkReplay with the stored result opened.
+func BenchmarkReplaySealed(b *testing.B) { benchReplay(b, benchEngineOn(b, sealedMemory(b))) }
+
+func benchReplay(b *testing.B, e *Engine) {
+	ctx := context.Background()
+	tc, _ := ParseToolCall(json.RawMessage(typicalParams))
+	p, _ := e.Plan(tc, Caller{Session: "s"})
+	_, _ = e.Execute(ctx, p, func(context.Context) (Upstream, error) {
+		return Upstream{Response: []byte(typicalResponse), Status: 200}, nil
+	})
+	id := json.RawMessage(`42`)
+	b.ReportAllocs()
+	for b.Loop() {
+		tc, _ := ParseToolCall(json.RawMessage(typicalParams))
+		p, err := e.Plan(tc, Caller{Session: "s"})
+		if err != nil {
+			b.Fatal(err)
+		}
+		out, err := e.Execute(ctx, p, nil)
+		if err != nil || out.Kind != Replayed {
+			b.Fatal(out, err)
+		}
+		_ = mcpmsg.WithID(out.Response, id)
+	}
+}

@@ -1,0 +1,167 @@
+package engine
+
+import (
+	"context"
+	"errors"
+	"strconv"
+	"time"
+
+	"github.com/idemcp/idemcp/api/v1alpha1"
+	"github.com/idemcp/idemcp/internal/claim"
+	"github.com/idemcp/idemcp/internal/mcpmsg"
+	"github.com/idemcp/idemcp/internal/policy"
+	"github.com/idemcp/idemcp/internal/store"
+)
+
+// A live policy change must never make a retry of a stored call run
+// again. A change of keyScope or of a tool's ignoreArguments moves the
+// call's key (or, for an explicit key, its fingerprint), so the engine
+// remembers the policies it enforced before, for as long as records made
+// under them are kept, and a call first looks for its result under the
+// keys it had then. Only calls whose key the change moved pay for it: one
+// Reserve (and, when nothing is there, one Release) per earlier policy.
+
+// maxEarlierPolicies bounds the policies remembered: a policy changed in
+// a loop must not grow the work of every call.
+const maxEarlierPolicies = 8
+
+// earlierPolicy is a policy replaced at a moment.
+type earlierPolicy struct {
+	policy   *policy.Policy
+	replaced time.Time
+}
+
+// earlierKey is where a call's record may be under an earlier policy.
+type earlierKey struct {
+	key, fingerprint string
+	lease            time.Duration
+	takeOver         bool
+}
+
+// remember keeps p, replaced at now, and forgets the policies whose
+// records have all expired.
+func (e *Engine) remember(p *policy.Policy, now time.Time) {
+	for {
+		cur := e.earlier.Load()
+		next := []earlierPolicy{{policy: p, replaced: now}}
+		if cur != nil {
+			for _, ep := range *cur {
+				if len(next) < maxEarlierPolicies && now.Sub(ep.replaced) < longestRetention(ep.policy) {
+					next = append(next, ep)
+				}
+			}
+		}
+		if e.earlier.CompareAndSwap(cur, &next) {
+			return
+		}
+	}
+}
+
+// longestRetention is the longest any record made under p is kept: the
+// longest ttl of its rules (explicit keys, and claims under onAbandoned:
+// Error) bounds every retryWindow too.
+func longestRetention(p *policy.Policy) time.Duration {
+	longest := p.TTL
+	for _, r := range p.Spec.Tools {
+		if r.TTL != nil {
+			longest = max(longest, r.TTL.Duration)
+		}
+	}
+	return longest + p.LeaseDuration
+}
+
+// earlierKeys are the keys and fingerprints the call had under the
+// earlier policies, where they differ from its key now and records made
+// under that policy may still be kept.
+func (e *Engine) earlierKeys(tc *ToolCall, c Caller, explicit string) []earlierKey {
+	list := e.earlier.Load()
+	if list == nil {
+		return nil
+	}
+	now := time.Now()
+	var out []earlierKey
+	seen := map[string]bool{}
+	cur := e.policy.Load().RuleFor(tc.Name)
+	curFP, _ := Fingerprint(tc.Name, tc.Arguments, cur.IgnoreArguments)
+	seen[deriveKey(e.keySpace, cur, c, explicit, curFP)+"\x00"+curFP] = true
+	for _, ep := range *list {
+		r := ep.policy.RuleFor(tc.Name)
+		if r.Mode == v1alpha1.ModePassthrough {
+			continue // nothing was stored
+		}
+		keep := r.TTL
+		if explicit == "" && r.OnAbandoned != v1alpha1.AbandonedError && r.RetryWindow > 0 {
+			keep = min(r.RetryWindow, r.TTL)
+		}
+		if now.Sub(ep.replaced) >= keep+ep.policy.LeaseDuration {
+			continue
+		}
+		if explicit == "" && unscopedCall(r, c) || explicit != "" && !explicitScoped(r, c) {
+			continue
+		}
+		fp, err := Fingerprint(tc.Name, tc.Arguments, r.IgnoreArguments)
+		if err != nil {
+			continue
+		}
+		k := deriveKey(e.keySpace, r, c, explicit, fp)
+		if seen[k+"\x00"+fp] {
+			continue
+		}
+		seen[k+"\x00"+fp] = true
+		out = append(out, earlierKey{key: k, fingerprint: fp, lease: ep.policy.LeaseDuration, takeOver: r.OnAbandoned != v1alpha1.AbandonedError})
+	}
+	return out
+}
+
+// findEarlier looks for the call's result under its earlier keys. found
+// reports that the call is answered: with the stored result, or with the
+// error the earlier record calls for. A key with nothing there is let go
+// at once, and the call goes on under its key now.
+func (e *Engine) findEarlier(ctx context.Context, p *Plan) (out Outcome, err error, found bool) {
+	for _, ek := range p.earlier {
+		owner := e.instance + "-" + strconv.FormatUint(e.seq.Add(1), 36)
+		c := store.Claim{Key: ek.key, Fingerprint: ek.fingerprint, Owner: owner, Lease: ek.lease, Retention: ek.lease,
+			TakeOver: ek.takeOver, Tenant: p.Tenant}
+		w := claim.Waits{Timeout: p.Policy.WaitTimeout, Reject: p.Policy.InFlight == v1alpha1.InFlightReject}
+		r, rerr := e.claims.Reserve(ctx, c, w)
+		switch {
+		case rerr == nil:
+		case errors.Is(rerr, claim.ErrConflict):
+			// Another call's record (an explicit key reused with other
+			// arguments): the key now decides.
+			continue
+		default:
+			// Waiting for a call in flight under the earlier key ran out,
+			// or the store failed: Execute answers as it would for its own
+			// key.
+			if errors.Is(rerr, claim.ErrInFlight) || errors.Is(rerr, claim.ErrWaitTimeout) {
+				e.countCall(OutcomeRejected, p.Tool)
+				return Outcome{}, &Error{Code: mcpmsg.CodeInFlight, Message: "a call to " + strconv.Quote(p.Tool) +
+					" with this key, made before the policy changed, is still running; retry later to get its result"}, true
+			}
+			return Outcome{}, nil, false
+		}
+		switch r.State {
+		case store.Won:
+			// Nothing under this key: let it go.
+			if rel := e.claims.Release(context.WithoutCancel(ctx), ek.key, owner, func() {}); rel != nil {
+				e.storeWriteFailed("release", p, rel)
+			}
+		case store.Completed:
+			session, resp := taskSession(r.Response)
+			if session != "" && session != sessionHash(p.caller) {
+				e.countCall(OutcomeRejected, p.Tool)
+				return Outcome{}, &Error{Code: mcpmsg.CodeTaskElsewhere, Message: "the first call to " + strconv.Quote(p.Tool) +
+					" with this key created a task in another MCP session, and a task can be read only in the session that created it; it is not run again"}, true
+			}
+			e.countCall(OutcomeReplayed, p.Tool)
+			e.metrics.EarlierReplays.Inc()
+			return Outcome{Kind: Replayed, Response: resp}, nil, true
+		default: // store.Abandoned
+			e.countCall(OutcomeRejected, p.Tool)
+			return Outcome{}, &Error{Code: mcpmsg.CodeOutcomeUnknown, Message: "outcome unknown: the first call to " + strconv.Quote(p.Tool) +
+				" with this key stopped mid-call (its sidecar died) and onAbandoned is Error, so it is not run again; check whether it took effect"}, true
+		}
+	}
+	return Outcome{}, nil, false
+}

@@ -1,0 +1,232 @@
+package httpproxy
+
+import (
+	"bytes"
+	"context"
+	"encoding/base64"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"mime"
+	"net/http"
+	"net/url"
+	"strings"
+
+	"github.com/idemcp/idemcp/internal/mcpmsg"
+)
+
+// ServeHTTP implements http.Handler.
+func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	switch r.Method {
+	case http.MethodGet, http.MethodPost, http.MethodDelete, http.MethodOptions:
+	default:
+		// Nothing else is an MCP request, and none is forwarded: CONNECT
+		// would ask the server for a tunnel, TRACE would echo the
+		// caller's headers back, and a server's router may treat PUT or
+		// HEAD like POST or GET behind the dedup's back.
+		w.Header().Set("Allow", allowedMethods)
+		w.Header().Set("Connection", "close")
+		writeError(w, r, http.StatusMethodNotAllowed, nil, mcpmsg.CodeInvalidRequest,
+			fmt.Sprintf("method %s is not used by MCP; the idemcp sidecar takes %s", r.Method, allowedMethods))
+		return
+	}
+	release, ok := p.admit(w, r)
+	if !ok {
+		return
+	}
+	defer release()
+	if r.Method == http.MethodGet {
+		if calls := p.resumes.match(r.Header.Get(HeaderSessionID), r.Header.Get(headerLastEventID)); len(calls) > 0 {
+			p.serveResumedStream(w, r, calls)
+			return
+		}
+	}
+	if p.serveLegacy(w, r) {
+		return
+	}
+	if r.Method == http.MethodDelete {
+		p.serveDelete(w, r)
+		return
+	}
+	if r.Method != http.MethodPost {
+		p.rp.ServeHTTP(w, r) // GET streams, OPTIONS: untouched
+		return
+	}
+	// A server may answer before it has read the whole request (an SSE
+	// stream starts at once); without full duplex, Go's HTTP/1 server
+	// would close the request body under the proxy and cut the response.
+	_ = http.NewResponseController(w).EnableFullDuplex()
+	if r.ProtoMajor == 1 && r.Body != nil && r.Body != http.NoBody {
+		// HTTP/2 frames each stream's body: nothing of it is left on the
+		// connection. HTTP/1 needs care (body.go).
+		var b *duplexBody
+		r, b = guardBody(r)
+		defer b.end(w)
+	}
+	// 2026-07-28 names the method (and tool) in headers: most requests are
+	// classified without reading the body at all.
+	hdrMethod := r.Header.Get(HeaderMethod)
+	switch hdrMethod {
+	case "", "tools/call", "notifications/cancelled":
+	case "tools/list":
+		p.rp.ServeHTTP(w, r.WithContext(context.WithValue(r.Context(), toolsListKey, true)))
+		return
+	default:
+		p.rp.ServeHTTP(w, r)
+		return
+	}
+	if hdrMethod == "tools/call" && r.Header.Get(HeaderIdempotencyKey) == "" {
+		if name, ok := decodeHeaderValue(r.Header.Get(HeaderName)); ok && name != "" && !p.engine.Deduplicates(name) {
+			// If the header lies about the body, the server rejects the
+			// mismatch; nothing here depends on it.
+			p.engine.CountPassthrough(name)
+			ctx, span := p.engine.StartCall(r.Context(), p.callInfo(r, name, nil, nil))
+			defer span.End()
+			span.Passthrough()
+			p.rp.ServeHTTP(w, r.WithContext(ctx))
+			return
+		}
+	}
+
+	body, ok := p.readBody(w, r)
+	if !ok {
+		return
+	}
+	kind, err := mcpmsg.Sniff(body)
+	if err != nil {
+		writeError(w, r, http.StatusBadRequest, nil, mcpmsg.ErrorCode(err), err.Error())
+		return
+	}
+	if kind == mcpmsg.Batch {
+		// Batches (2025-03-26 only) are forwarded whole, not deduplicated.
+		p.forwardBody(w, r, body, false)
+		return
+	}
+	msg, err := mcpmsg.Parse(body)
+	if err != nil {
+		// Strict: a message the server could read another way is refused.
+		var id json.RawMessage
+		if msg != nil {
+			id = msg.ID
+		}
+		status := http.StatusBadRequest
+		if mcpmsg.ErrorCode(err) == mcpmsg.CodeInvalidParams && len(id) > 0 {
+			status = http.StatusOK // as for every invalid-params answer
+		}
+		writeError(w, r, status, id, mcpmsg.ErrorCode(err), err.Error())
+		return
+	}
+	switch msg.Method {
+	case "initialize":
+		p.forwardInitialize(w, r, body, msg)
+	case "tools/call":
+		p.serveToolCall(w, r, body, msg, hdrMethod)
+	case "tools/list":
+		p.forwardBody(w, r, body, true)
+	case "notifications/cancelled":
+		p.serveCancel(w, r, body, msg)
+	default:
+		p.forwardBody(w, r, body, false)
+	}
+}
+
+// readBody reads a request body within --max-body-bytes, or answers the
+// client with the reason it cannot and returns false.
+func (p *Proxy) readBody(w http.ResponseWriter, r *http.Request) ([]byte, bool) {
+	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, p.opts.MaxBodyBytes))
+	if err == nil {
+		return body, true
+	}
+	var tooBig *http.MaxBytesError
+	if errors.As(err, &tooBig) {
+		writeError(w, r, http.StatusRequestEntityTooLarge, nil, mcpmsg.CodeInvalidRequest,
+			fmt.Sprintf("request body is over %d bytes, the sidecar's limit (--max-body-bytes)", p.opts.MaxBodyBytes))
+		return nil, false
+	}
+	writeError(w, r, http.StatusBadRequest, nil, mcpmsg.CodeParseError, fmt.Sprintf("reading request body: %v", err))
+	return nil, false
+}
+
+func headerValue(h http.Header, name string) (string, bool) {
+	v, ok := h[name]
+	if !ok || len(v) == 0 {
+		return "", false
+	}
+	return v[0], true
+}
+
+func (p *Proxy) forwardBody(w http.ResponseWriter, r *http.Request, body []byte, toolsList bool) {
+	r.Body = io.NopCloser(bytes.NewReader(body))
+	r.ContentLength = int64(len(body))
+	if toolsList {
+		r = r.WithContext(context.WithValue(r.Context(), toolsListKey, true))
+	}
+	p.rp.ServeHTTP(w, r)
+}
+
+func (p *Proxy) target(u *url.URL) *url.URL {
+	t := *p.opts.Upstream
+	if t.RawPath != "" || u.RawPath != "" {
+		// An escaped path (a%2Fb) stays escaped: join the escaped forms
+		// too and keep them as the raw path.
+		t.RawPath = joinPath(t.EscapedPath(), u.EscapedPath())
+	}
+	t.Path = joinPath(t.Path, u.Path)
+	switch {
+	case t.RawQuery == "":
+		t.RawQuery = u.RawQuery
+	case u.RawQuery != "":
+		t.RawQuery += "&" + u.RawQuery
+	}
+	return &t
+}
+
+// joinPath appends a request's path to the upstream URL's, with one slash
+// between them.
+func joinPath(base, path string) string {
+	switch {
+	case strings.HasSuffix(base, "/") && strings.HasPrefix(path, "/"):
+		return base + path[1:]
+	case !strings.HasSuffix(base, "/") && !strings.HasPrefix(path, "/") && path != "":
+		return base + "/" + path
+	}
+	return base + path
+}
+
+func prefersSSE(accept string) bool {
+	if accept == "" {
+		return false
+	}
+	for _, part := range strings.Split(accept, ",") {
+		mt, _, _ := mime.ParseMediaType(strings.TrimSpace(part))
+		switch mt {
+		case "application/json", "application/*", "*/*":
+			return false
+		}
+	}
+	return strings.Contains(accept, "text/event-stream")
+}
+
+func removeHopHeaders(h http.Header) {
+	for _, f := range h["Connection"] {
+		for _, name := range strings.Split(f, ",") {
+			h.Del(strings.TrimSpace(name))
+		}
+	}
+	for _, name := range hopHeaders {
+		h.Del(name)
+	}
+}
+
+// decodeHeaderValue undoes the =?base64?...?= wrapping 2026-07-28 clients
+// use for header values that are not plain ASCII.
+func decodeHeaderValue(v string) (string, bool) {
+	if enc, ok := strings.CutPrefix(v, "=?base64?"); ok {
+		if enc, ok = strings.CutSuffix(enc, "?="); ok {
+			b, err := base64.StdEncoding.DecodeString(enc)
+			return string(b), err == nil
+		}
+	}
+	return v, true
+}
