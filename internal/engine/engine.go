@@ -363,7 +363,7 @@ type Outcome struct {
 // ErrDetached if ctx ended while this call was running upstream.
 func (e *Engine) Execute(ctx context.Context, p *Plan, fwd Forward) (Outcome, error) {
 	start := time.Now()
-	if out, err, found := e.findEarlier(ctx, p); found {
+	if out, err, found := e.findEarlier(ctx, p, fwd); found {
 		return out, err
 	}
 	owner := e.instance + "-" + strconv.FormatUint(e.seq.Add(1), 36)

@@ -117,7 +117,7 @@ func (e *Engine) earlierKeys(tc *ToolCall, c Caller, explicit string) []earlierK
 // reports that the call is answered: with the stored result, or with the
 // error the earlier record calls for. A key with nothing there is let go
 // at once, and the call goes on under its key now.
-func (e *Engine) findEarlier(ctx context.Context, p *Plan) (out Outcome, err error, found bool) {
+func (e *Engine) findEarlier(ctx context.Context, p *Plan, fwd Forward) (out Outcome, err error, found bool) {
 	for _, ek := range p.earlier {
 		owner := e.instance + "-" + strconv.FormatUint(e.seq.Add(1), 36)
 		c := store.Claim{Key: ek.key, Fingerprint: ek.fingerprint, Owner: owner, Lease: ek.lease, Retention: ek.lease,
@@ -130,16 +130,22 @@ func (e *Engine) findEarlier(ctx context.Context, p *Plan) (out Outcome, err err
 			// Another call's record (an explicit key reused with other
 			// arguments): the key now decides.
 			continue
+		case errors.Is(rerr, claim.ErrInFlight) || errors.Is(rerr, claim.ErrWaitTimeout):
+			e.countCall(OutcomeRejected, p.Tool)
+			return Outcome{}, &Error{Code: mcpmsg.CodeInFlight, Message: "a call to " + strconv.Quote(p.Tool) +
+				" with this key, made before the policy changed, is still running; retry later to get its result"}, true
 		default:
-			// Waiting for a call in flight under the earlier key ran out,
-			// or the store failed: Execute answers as it would for its own
-			// key.
-			if errors.Is(rerr, claim.ErrInFlight) || errors.Is(rerr, claim.ErrWaitTimeout) {
-				e.countCall(OutcomeRejected, p.Tool)
-				return Outcome{}, &Error{Code: mcpmsg.CodeInFlight, Message: "a call to " + strconv.Quote(p.Tool) +
-					" with this key, made before the policy changed, is still running; retry later to get its result"}, true
+			// The store failed, or ctx ended: nothing says the earlier key
+			// holds no result, so going on under the key now could run
+			// the call again. Answer as Execute does for its own key.
+			if unavailable := (*claim.UnavailableError)(nil); errors.As(rerr, &unavailable) {
+				if unavailable.Held {
+					return Outcome{}, e.stillRunning(p, unavailable.Err), true
+				}
+				out, err := e.storeUnavailable(ctx, p, fwd, unavailable.Err)
+				return out, err, true
 			}
-			return Outcome{}, nil, false
+			return Outcome{}, rerr, true
 		}
 		switch r.State {
 		case store.Won:
