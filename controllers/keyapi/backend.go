@@ -19,6 +19,7 @@ import (
 	"github.com/idemcp/idemcp/internal/policy"
 	"github.com/idemcp/idemcp/internal/policywire"
 	"github.com/idemcp/idemcp/internal/store"
+	pgstore "github.com/idemcp/idemcp/internal/store/postgres"
 	redisstore "github.com/idemcp/idemcp/internal/store/redis"
 )
 
@@ -39,8 +40,10 @@ func (s *Server) backend(ctx context.Context, p *v1alpha1.IdempotencyPolicy) (ba
 		return &sidecars{stream: s.Stream, ns: p.Namespace, name: p.Name}, nil
 	case v1alpha1.StoreRedis:
 		return s.redis(ctx, p)
+	case v1alpha1.StorePostgres:
+		return s.postgres(ctx, p)
 	}
-	return nil, refuse(http.StatusNotImplemented, "kubectl idemcp keys does not read a store of type %s yet; it reads Memory and Redis", p.Spec.Store.Type)
+	return nil, refuse(http.StatusNotImplemented, "kubectl idemcp keys does not read a store of type %s yet; it reads Memory, Redis and Postgres", p.Spec.Store.Type)
 }
 
 func toRecord(r store.Record, holder string, now time.Time) Record {
@@ -145,7 +148,38 @@ func (s *Server) redis(ctx context.Context, p *v1alpha1.IdempotencyPolicy) (back
 	if err != nil {
 		return nil, fmt.Errorf("opening the Redis store of %s/%s: %w", p.Namespace, p.Name, err)
 	}
-	return &shared{st: st, in: st, open: func(ctx context.Context) (*store.Sealed, error) {
+	return &shared{st: st, in: st, open: s.sealed(p, st, o.Prefix)}, nil
+}
+
+// postgres opens the policy's PostgreSQL as its sidecars do: the URL
+// Secret, key prefix and seal keys. The manager only reads and deletes
+// rows: it runs no cleanup and never waits on a key.
+func (s *Server) postgres(ctx context.Context, p *v1alpha1.IdempotencyPolicy) (backend, error) {
+	if p.Spec.Store.Postgres == nil {
+		return nil, refuse(http.StatusConflict, "IdempotencyPolicy %s/%s has store.type Postgres but no store.postgres", p.Namespace, p.Name)
+	}
+	o := pgstore.Options{Prefix: policy.RedisKeyPrefix(p.Namespace, p.Name), CleanupInterval: -1}
+	for _, ref := range credentials.Refs(p) {
+		if ref.Env != "IDEMCP_POSTGRES_URL" {
+			continue
+		}
+		url, err := s.secretKey(ctx, p.Namespace, ref)
+		if err != nil {
+			return nil, err
+		}
+		o.URL = url
+	}
+	st, err := pgstore.New(o)
+	if err != nil {
+		return nil, refuse(http.StatusConflict, "opening the Postgres store of %s/%s: %v", p.Namespace, p.Name, err)
+	}
+	return &shared{st: st, in: st, open: s.sealed(p, st, st.KeyPrefix())}, nil
+}
+
+// sealed opens st with the policy's seal keys, bound to the store's key
+// prefix as the sidecars' seals are.
+func (s *Server) sealed(p *v1alpha1.IdempotencyPolicy, st store.Store, prefix string) func(ctx context.Context) (*store.Sealed, error) {
+	return func(ctx context.Context) (*store.Sealed, error) {
 		ref := credentials.Ref{Field: "the seal keys", Name: credentials.SealSecretName(p.Name), Key: credentials.SealKeysKey}
 		text, err := s.secretKey(ctx, p.Namespace, ref)
 		if err != nil {
@@ -155,8 +189,8 @@ func (s *Server) redis(ctx context.Context, p *v1alpha1.IdempotencyPolicy) (back
 		if err != nil {
 			return nil, refuse(http.StatusConflict, "Secret %s/%s: %v", p.Namespace, ref.Name, err)
 		}
-		return store.Seal(st, store.SealOptions{Keyring: ring, Context: o.Prefix}), nil
-	}}, nil
+		return store.Seal(st, store.SealOptions{Keyring: ring, Context: prefix}), nil
+	}
 }
 
 func (s *Server) secretKey(ctx context.Context, ns string, ref credentials.Ref) (string, error) {

@@ -49,6 +49,7 @@ import (
 	"github.com/idemcp/idemcp/internal/freeport"
 	"github.com/idemcp/idemcp/internal/plugin"
 	"github.com/idemcp/idemcp/internal/policywire"
+	"github.com/idemcp/idemcp/internal/store/postgres/pgtest"
 	"github.com/idemcp/idemcp/internal/store/redis/redistest"
 	"github.com/idemcp/idemcp/test/envtestutil"
 	"github.com/idemcp/idemcp/test/procs"
@@ -419,13 +420,37 @@ var forbidden = regexp.MustCompile(`may not (delete|get) idempotencypolicies/(ke
 // each leaves an Event naming the editor.
 func TestKeysOnRedis(t *testing.T) {
 	const ns, name = "keys-redis", "payments"
-	installRoles(t)
+	rds := redistest.Start(t)
 	namespace(t, ns)
+	testSharedStore(t, ns, name,
+		v1alpha1.StoreSpec{Type: v1alpha1.StoreRedis, Redis: &v1alpha1.RedisStoreSpec{External: &v1alpha1.ExternalRedis{Addresses: []string{rds.Addr}}}},
+		"IDEMCP_REDIS_KEY_PREFIX="+"idemcp:"+ns+"/"+name+":")
+}
+
+// TestKeysOnPostgres is TestKeysOnRedis with a PostgreSQL store, whose URL
+// the manager and the sidecars read from the policy's Secret.
+func TestKeysOnPostgres(t *testing.T) {
+	const ns, name = "keys-postgres", "payments"
+	srv := pgtest.Start(t)
+	namespace(t, ns)
+	sec := &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "pg", Labels: map[string]string{v1alpha1.LabelCredentials: "true"}}, Data: map[string][]byte{"url": []byte(srv.URL)}}
+	if err := k8s.Create(context.Background(), sec); err != nil {
+		t.Fatal(err)
+	}
+	testSharedStore(t, ns, name,
+		v1alpha1.StoreSpec{Type: v1alpha1.StorePostgres, Postgres: &v1alpha1.PostgresStoreSpec{URLSecretRef: v1alpha1.SecretKeyRef{Name: "pg", Key: "url"}}},
+		"IDEMCP_POSTGRES_URL="+srv.URL, "IDEMCP_POSTGRES_KEY_PREFIX="+"idemcp:"+ns+"/"+name+":")
+}
+
+// testSharedStore is the keys scenario on a store every sidecar of the
+// policy shares, which the manager reads directly, in the namespace ns
+// the caller made.
+func testSharedStore(t *testing.T, ns, name string, st v1alpha1.StoreSpec, storeEnv ...string) {
+	installRoles(t)
 	viewer := newUser(t, ns, "viewer", viewerRole)
 	editor := newUser(t, ns, "editor", viewerRole, editorRole)
-	rds := redistest.Start(t)
 	p := createPolicy(t, ns, name, v1alpha1.IdempotencyPolicySpec{
-		Store:         v1alpha1.StoreSpec{Type: v1alpha1.StoreRedis, Redis: &v1alpha1.RedisStoreSpec{External: &v1alpha1.ExternalRedis{Addresses: []string{rds.Addr}}}},
+		Store:         st,
 		LeaseDuration: &metav1.Duration{Duration: 2 * time.Second},
 		Tools:         []v1alpha1.ToolRule{{Name: "charge_card", Mode: v1alpha1.ModeDeduplicate, OnAbandoned: v1alpha1.AbandonedError}},
 	})
@@ -433,7 +458,7 @@ func TestKeysOnRedis(t *testing.T) {
 	if err := k8s.Get(context.Background(), client.ObjectKey{Namespace: ns, Name: credentials.SealSecretName(name)}, &seal); err != nil {
 		t.Fatal(err)
 	}
-	env := []string{"IDEMCP_SEAL_KEYS=" + string(seal.Data[credentials.SealKeysKey]), "IDEMCP_REDIS_KEY_PREFIX=" + "idemcp:" + ns + "/" + name + ":"}
+	env := append([]string{"IDEMCP_SEAL_KEYS=" + string(seal.Data[credentials.SealKeysKey])}, storeEnv...)
 	up := startUpstream(t)
 	a := sidecar(t, p, "mcp-0", up.url, env)
 	b := sidecar(t, p, "mcp-1", up.url, env)

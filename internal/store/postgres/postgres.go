@@ -276,10 +276,11 @@ const (
 // replay is a read.
 const reserveSQL = `
 WITH ins AS (
-  INSERT INTO idemcp_records AS r (key, fingerprint, owner, completed, response, lease_until, expires_at, waited, took_over)
+  INSERT INTO idemcp_records AS r (key, fingerprint, owner, completed, response, lease_until, expires_at, waited, took_over, tool, pod, claimed_at)
   SELECT $1::text, $2::text, $3::text, false, NULL,
          now() + $4::bigint * interval '1 millisecond',
-         now() + $5::bigint * interval '1 millisecond', false, false
+         now() + $5::bigint * interval '1 millisecond', false, false,
+         nullif($8::text, ''), nullif($9::text, ''), now()
   WHERE NOT EXISTS (
     SELECT 1 FROM idemcp_records c WHERE c.key = $1::text AND c.expires_at > now()
       AND NOT (($6::boolean AND NOT c.completed AND c.lease_until <= now() AND c.fingerprint = $2::text)
@@ -287,6 +288,7 @@ WITH ins AS (
   ON CONFLICT (key) DO UPDATE SET
     fingerprint = excluded.fingerprint, owner = excluded.owner, completed = false, response = NULL,
     lease_until = excluded.lease_until, expires_at = excluded.expires_at, waited = false,
+    tool = excluded.tool, pod = excluded.pod, claimed_at = excluded.claimed_at,
     took_over = r.expires_at > now() AND NOT r.completed
   WHERE r.expires_at <= now() OR ($6::boolean AND NOT r.completed AND r.lease_until <= now() AND r.fingerprint = $2::text)
     OR (r.completed AND coalesce(coalesce(r.response, ''::bytea) = $7::bytea, false))
@@ -318,7 +320,7 @@ func (s *Store) Reserve(ctx context.Context, c store.Claim) (store.Reservation, 
 			var tookOver, vouched bool
 			var owner string
 			err := s.pool.QueryRow(ctx, reserveSQL, full, c.Fingerprint, c.Owner,
-				millis(c.Lease), millis(max(c.Retention, c.Lease)), c.TakeOver, c.Discard).Scan(&code, &fp, &resp, &tookOver, &owner, &vouched)
+				millis(c.Lease), millis(max(c.Retention, c.Lease)), c.TakeOver, c.Discard, c.Tool, c.Pod).Scan(&code, &fp, &resp, &tookOver, &owner, &vouched)
 			if errors.Is(err, pgx.ErrNoRows) {
 				return errRace
 			}

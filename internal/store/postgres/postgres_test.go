@@ -256,3 +256,55 @@ VALUES ($1::text, 'f', 'writer', true, NULL, now() + interval '1 hour')`, p+key)
 		t.Fatalf("after the replacement: %v %q, %v; want the new result", r.State, r.Response, err)
 	}
 }
+
+// TestUpgradeFromVersion2: a database an older idemcp made (schema version
+// 2, rows without tool, pod or claim time) is upgraded in place; its rows
+// keep working and list with no tool, pod or claim time (kubectl idemcp
+// keys shows "-"), and new claims record theirs.
+func TestUpgradeFromVersion2(t *testing.T) {
+	srv := pgtest.Start(t)
+	pgtest.Exec(t, srv.URL, `
+CREATE TABLE idemcp_schema_migrations (version integer PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now());
+INSERT INTO idemcp_schema_migrations (version) VALUES (1), (2);
+CREATE TABLE idemcp_records (
+  key text PRIMARY KEY, fingerprint text NOT NULL, owner text NOT NULL,
+  completed boolean NOT NULL DEFAULT false, response bytea, lease_until timestamptz,
+  expires_at timestamptz NOT NULL, waited boolean NOT NULL DEFAULT false,
+  took_over boolean NOT NULL DEFAULT false, acked_owner text);
+INSERT INTO idemcp_records (key, fingerprint, owner, completed, response, expires_at)
+  VALUES ('old:done', 'f', 'o', true, 'result', now() + interval '1 minute');
+INSERT INTO idemcp_records (key, fingerprint, owner, lease_until, expires_at)
+  VALUES ('old:lapsed', 'f', 'o', now() - interval '1 second', now() + interval '1 minute')`)
+	s := newStore(t, pgstore.Options{URL: srv.URL, Prefix: "old:"})
+	ctx := context.Background()
+	r := store.Claim{Key: "new", Fingerprint: "f", Owner: "o2", Lease: time.Minute, Tool: "charge", Pod: "mcp-0"}
+	if res, err := s.Reserve(ctx, r); err != nil || res.State != store.Won {
+		t.Fatalf("Reserve after the upgrade: %+v %v", res, err)
+	}
+	if got := queryInt(t, srv.URL, `SELECT max(version) FROM idemcp_schema_migrations`); got != pgstore.SchemaVersion {
+		t.Fatalf("schema version %d after the upgrade, want %d", got, pgstore.SchemaVersion)
+	}
+	if res, err := s.Reserve(ctx, store.Claim{Key: "done", Fingerprint: "f", Owner: "o3", Lease: time.Minute}); err != nil || res.State != store.Completed || string(res.Response) != "result" {
+		t.Fatalf("replay of the old result: %+v %v", res, err)
+	}
+	recs, err := s.Records(ctx, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := map[string]store.Record{}
+	for _, rec := range recs {
+		got[rec.Key] = rec
+	}
+	if d := got["done"]; !d.Completed || d.Tool != "" || d.Pod != "" || !d.Claimed.IsZero() {
+		t.Errorf("the old result lists as %+v, want completed with no tool, pod or claim time", d)
+	}
+	if l := got["lapsed"]; l.State(time.Now()) != store.StateOutcomeUnknown || l.Tool != "" || !l.Claimed.IsZero() {
+		t.Errorf("the old claim lists as %+v, want outcome-unknown with no tool or claim time", l)
+	}
+	if n := got["new"]; n.Tool != "charge" || n.Pod != "mcp-0" || n.Claimed.IsZero() || time.Since(n.Claimed) > time.Minute {
+		t.Errorf("the new claim lists as %+v, want tool charge, pod mcp-0, claimed just now", n)
+	}
+	if rs, err := s.Records(ctx, 1); err != nil || len(rs) != 1 {
+		t.Errorf("Records(1) = %d records, %v; want 1", len(rs), err)
+	}
+}

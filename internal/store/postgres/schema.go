@@ -24,6 +24,11 @@ import (
 //	             to have waited for the synchronous standbys in full (see
 //	             confirm.go); a row whose acked_owner is not its owner is
 //	             confirmed before it is replayed
+//	tool, pod    the claim's Claim.Tool and Claim.Pod, for kubectl idemcp
+//	             keys (NULL: a row written before version 3, or by a
+//	             caller that did not say)
+//	claimed_at   when the claim was made, on the database's clock (NULL
+//	             in rows written before version 3)
 //
 // The schema is versioned: idemcp_schema_migrations lists the migrations
 // applied, and a store applies the missing ones, in order, under a
@@ -47,10 +52,15 @@ CREATE INDEX IF NOT EXISTS idemcp_records_expires_at ON idemcp_records (expires_
 	2: `
 ALTER TABLE idemcp_records ADD COLUMN IF NOT EXISTS acked_owner text;
 `,
+	3: `
+ALTER TABLE idemcp_records ADD COLUMN IF NOT EXISTS tool text;
+ALTER TABLE idemcp_records ADD COLUMN IF NOT EXISTS pod text;
+ALTER TABLE idemcp_records ADD COLUMN IF NOT EXISTS claimed_at timestamptz;
+`,
 }
 
 // SchemaVersion is the version of the schema this code needs.
-const SchemaVersion = 2
+const SchemaVersion = 3
 
 // migrationLock is the advisory lock key taken while migrating ("idemcp"
 // in ASCII).
