@@ -7,6 +7,8 @@ import (
 	"strings"
 	"testing"
 
+	"k8s.io/client-go/util/retry"
+
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	networkingv1 "k8s.io/api/networking/v1"
@@ -152,9 +154,14 @@ func TestRecreatedPolicyAdoptsTheStoreItsPredecessorLeft(t *testing.T) {
 		}
 		return errors.Join(append(errs, k8s.Get(ctx, secretKeys[1], &corev1.Secret{}))...)
 	})
-	old := getPolicy(t, ns, "again")
-	old.Finalizers = nil
-	if err := k8s.Update(ctx, old); err != nil {
+	// The controller writes the policy too (its status, its finalizer):
+	// take the finalizer off the version it last wrote.
+	var old *v1alpha1.IdempotencyPolicy
+	if err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		old = getPolicy(t, ns, "again")
+		old.Finalizers = nil
+		return k8s.Update(ctx, old)
+	}); err != nil {
 		t.Fatal(err)
 	}
 	if err := k8s.Delete(ctx, old); err != nil {

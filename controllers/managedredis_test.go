@@ -17,6 +17,7 @@ import (
 	"k8s.io/apimachinery/pkg/api/meta"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"github.com/idemcp/idemcp/api/v1alpha1"
@@ -214,8 +215,15 @@ func TestManagedRedisKeepsItsImage(t *testing.T) {
 		sts.Spec.Template.Spec.Containers[0].Image = "redis:7.2-alpine"
 		return k8s.Update(ctx, &sts)
 	})
+	nudges := 0
 	eventually(t, "status.store.image to say 7.2", func() error {
-		if s := getPolicy(t, ns, "older").Status.Store; s == nil || s.Image != "redis:7.2-alpine" {
+		p := getPolicy(t, ns, "older")
+		if s := p.Status.Store; s == nil || s.Image != "redis:7.2-alpine" {
+			// A change to the policy makes the controller look again, in
+			// case the StatefulSet's update came before its watch saw it.
+			nudges++
+			patch := fmt.Sprintf(`{"metadata":{"annotations":{"test.idemcp.io/nudge":"%d"}}}`, nudges)
+			_ = k8s.Patch(ctx, p, client.RawPatch(types.MergePatchType, []byte(patch)))
 			return fmt.Errorf("status.store %+v", s)
 		}
 		return nil

@@ -15,6 +15,7 @@ import (
 	"github.com/idemcp/idemcp/internal/store/redis/redistest"
 	"github.com/idemcp/idemcp/sidecar"
 	"github.com/idemcp/idemcp/test/mcpserver"
+	"github.com/idemcp/idemcp/test/poll"
 )
 
 // rawUpstream is a hand-written MCP endpoint that answers every tools/call
@@ -188,7 +189,7 @@ func TestAnonymousCancelIsNotSwallowedForAnother(t *testing.T) {
 		// A: deduplicated through its explicit key, request id 7.
 		post(t, proxy.URL, `{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"name":"charge_card","arguments":{},"_meta":{"idempotency-key":"a-1"}}}`, nil)
 	})
-	time.Sleep(200 * time.Millisecond)
+	poll.Within(t, 10*time.Second, "A's call to reach the server", poll.True(func() bool { return up.calls.Load() == 1 }))
 	// B cancels its own request 7.
 	resp, _ := post(t, proxy.URL, `{"jsonrpc":"2.0","method":"notifications/cancelled","params":{"requestId":7}}`, nil)
 	if resp.StatusCode != http.StatusAccepted {
@@ -204,7 +205,7 @@ func TestAnonymousCancelIsNotSwallowedForAnother(t *testing.T) {
 	wg.Go(func() {
 		post(t, proxy.URL, `{"jsonrpc":"2.0","id":8,"method":"tools/call","params":{"name":"charge_card","arguments":{"x":1}}}`, alice)
 	})
-	time.Sleep(200 * time.Millisecond)
+	poll.Within(t, 10*time.Second, "alice's call to reach the server", poll.True(func() bool { return up.calls.Load() == 2 }))
 	post(t, proxy.URL, `{"jsonrpc":"2.0","method":"notifications/cancelled","params":{"requestId":8}}`, alice)
 	wg.Wait()
 	if n := up.cancels.Load(); n != 1 {

@@ -24,7 +24,7 @@ import (
 func TestRetryOfAResultNoReplicaHas(t *testing.T) {
 	primary := redistest.Start(t)
 	replica := redistest.StartReplica(t, primary)
-	s := newStore(t, redisstore.Options{Addrs: []string{primary.Addr}, MinReplicas: 1, ReplicaTimeout: 300 * time.Millisecond})
+	s := newStore(t, redisstore.Options{Addrs: []string{primary.Addr}, MinReplicas: 1, ReplicaTimeout: 2 * time.Second})
 	pol, err := policy.Parse([]byte("spec: {defaultMode: Deduplicate, onStoreUnavailable: FailOpen, waitTimeout: 1s}"))
 	if err != nil {
 		t.Fatal(err)
