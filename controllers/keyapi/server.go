@@ -21,6 +21,7 @@ import (
 
 	"github.com/idemcp/idemcp/api/v1alpha1"
 	"github.com/idemcp/idemcp/controllers/policystream"
+	"github.com/idemcp/idemcp/internal/claim"
 	"github.com/idemcp/idemcp/internal/store"
 )
 
@@ -157,7 +158,9 @@ func (s *Server) serve(ctx context.Context, o op, r *http.Request, ns, name, key
 			return nil, refuse(http.StatusConflict, "key %s is %s: it has no result yet", Short(full), rec.State)
 		}
 		log.FromContext(ctx).Info("Showed a stored result", "user", user.Username, "key", Short(full), "tool", rec.Tool)
-		return Result{Record: rec, Response: string(resp)}, nil
+		// The record holds the call's tracing trailer after the response
+		// (a sidecar strips it too; one of an earlier release does not).
+		return Result{Record: rec, Response: string(claim.StripTrace(resp))}, nil
 	}
 	d, verb := store.DropClaim, "released"
 	if o == opForget {

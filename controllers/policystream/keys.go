@@ -2,11 +2,12 @@ package policystream
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"net/http"
-	"strconv"
 	"sync"
 	"time"
 
@@ -65,12 +66,16 @@ func (s *Server) AskSidecars(ctx context.Context, namespace, name string, req po
 }
 
 func (s *Server) askOne(ctx context.Context, c *stream, req policywire.KeysRequest) SidecarKeys {
-	req.ID = strconv.FormatUint(s.nonce.Add(1), 36) + "-keys"
+	id, err := newKeysID()
+	if err != nil {
+		return SidecarKeys{Pod: c.pod, Err: err}
+	}
+	req.ID = id
 	line, err := json.Marshal(policywire.Snapshot{Keys: &req})
 	if err != nil {
 		return SidecarKeys{Pod: c.pod, Err: err}
 	}
-	answer := s.keyAnswers.expect(c.pod, req.ID)
+	answer := s.keyAnswers.expect(c, req.ID)
 	defer s.keyAnswers.drop(req.ID)
 	gone := fmt.Errorf("the policy stream of sidecar %s ended before it answered", c.pod)
 	select {
@@ -90,25 +95,38 @@ func (s *Server) askOne(ctx context.Context, c *stream, req policywire.KeysReque
 	}
 }
 
+// newKeysID is a KeysRequest's id: random, so that no sidecar can guess
+// the id of a request sent to another one.
+func newKeysID() (string, error) {
+	var b [16]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		return "", fmt.Errorf("making a keys request id: %w", err)
+	}
+	return hex.EncodeToString(b[:]) + "-keys", nil
+}
+
 // keyAnswers routes KeysReplies to the requests waiting for them.
 type keyAnswers struct {
 	mu      sync.Mutex
 	waiting map[string]keyWaiter
 }
 
+// keyWaiter is one request waiting: only the stream it was sent on may
+// answer it (a pod name alone is not enough: a pod of the same name in
+// another namespace, or a later pod of that name, has its own stream).
 type keyWaiter struct {
-	pod string
-	ch  chan *policywire.KeysReply
+	stream *stream
+	ch     chan *policywire.KeysReply
 }
 
-func (k *keyAnswers) expect(pod, id string) <-chan *policywire.KeysReply {
+func (k *keyAnswers) expect(c *stream, id string) <-chan *policywire.KeysReply {
 	k.mu.Lock()
 	defer k.mu.Unlock()
 	if k.waiting == nil {
 		k.waiting = map[string]keyWaiter{}
 	}
 	ch := make(chan *policywire.KeysReply, 1)
-	k.waiting[id] = keyWaiter{pod: pod, ch: ch}
+	k.waiting[id] = keyWaiter{stream: c, ch: ch}
 	return ch
 }
 
@@ -118,16 +136,18 @@ func (k *keyAnswers) drop(id string) {
 	delete(k.waiting, id)
 }
 
-// deliver hands r, from pod's stream, to its request; a reply nobody
-// waits for (late, unasked, or to another pod's request) is dropped.
-func (k *keyAnswers) deliver(pod string, r *policywire.KeysReply) {
+// deliver hands r, read from stream c, to its request; a reply nobody
+// waits for (late, unasked, or to a request sent on another stream) is
+// dropped.
+func (k *keyAnswers) deliver(c *stream, r *policywire.KeysReply) {
 	k.mu.Lock()
 	w, ok := k.waiting[r.ID]
-	if ok && w.pod == pod {
+	ok = ok && w.stream == c
+	if ok {
 		delete(k.waiting, r.ID)
 	}
 	k.mu.Unlock()
-	if ok && w.pod == pod {
+	if ok {
 		w.ch <- r
 	}
 }

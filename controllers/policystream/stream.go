@@ -195,7 +195,7 @@ func (s *Server) readReports(r *http.Request, key types.NamespacedName, c *strea
 			return
 		}
 		if rep.KeysReply != nil {
-			s.keyAnswers.deliver(c.pod, rep.KeysReply)
+			s.keyAnswers.deliver(c, rep.KeysReply)
 			continue
 		}
 		s.mu.Lock()

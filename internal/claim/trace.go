@@ -77,6 +77,16 @@ func withTrace(response []byte, sc trace.SpanContext) []byte {
 	return append(out, traceTrailerMark...)
 }
 
+// StripTrace is a stored response without its tracing trailer, as a
+// replay returns it: what an Inspector's Lookup gives (once opened, if
+// sealed) holds the trailer of a traced call, and a result shown to a
+// user (kubectl idemcp keys show --result) must not. A response with no
+// trailer is returned as it is.
+func StripTrace(stored []byte) []byte {
+	response, _ := splitTrace(stored)
+	return response
+}
+
 // splitTrace splits a stored response into the response and the span
 // context of its trailer (invalid if it has none).
 func splitTrace(stored []byte) ([]byte, trace.SpanContext) {

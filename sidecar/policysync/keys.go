@@ -5,6 +5,7 @@ import (
 	"errors"
 	"time"
 
+	"github.com/idemcp/idemcp/internal/claim"
 	"github.com/idemcp/idemcp/internal/policywire"
 	"github.com/idemcp/idemcp/internal/store"
 )
@@ -42,6 +43,9 @@ func (c *Client) keysReport(ctx context.Context, req *policywire.KeysRequest) po
 	case policywire.KeysLookup:
 		var resp []byte
 		rec, resp, err = c.o.Keys.Lookup(ctx, req.Key)
+		// The record holds the call's tracing trailer after the response:
+		// the manager shows the response as a replay returns it.
+		resp = claim.StripTrace(resp)
 		if err == nil {
 			reply.Records = []policywire.KeyRecord{wireRecord(rec)}
 			if req.Response && len(resp) > policywire.MaxKeysResponseBytes {

@@ -20,7 +20,11 @@ var _ store.Inspector = (*Store)(nil)
 const scanBatch = 500
 
 // Records implements store.Inspector: a SCAN of the prefix (on every
-// primary of a Cluster), each record read with one HMGET and PTTL.
+// primary of a Cluster), each record read with one HMGET and PTTL. Only
+// keys whose remainder after the prefix is a bare hex hash are records of
+// this store: an IdempotentProxy under a policy writes under the policy's
+// prefix + "idpx/NAME:", and its records, which the keys API could not
+// address by hash, are not listed here.
 func (s *Store) Records(ctx context.Context, limit int) ([]store.Record, error) {
 	out := []store.Record{}
 	full := func() bool { return limit > 0 && len(out) >= limit }
@@ -35,7 +39,11 @@ func (s *Store) Records(ctx context.Context, limit int) ([]store.Record, error) 
 				if k == s.channel || full() {
 					continue
 				}
-				r, _, err := s.lookup(ctx, c, strings.TrimPrefix(k, s.prefix), false)
+				key := strings.TrimPrefix(k, s.prefix)
+				if !isHashKey(key) {
+					continue // another store's key under a longer prefix
+				}
+				r, _, err := s.lookup(ctx, c, key, false)
 				if errors.Is(err, store.ErrNoRecord) {
 					continue // expired meanwhile, or not a record
 				}
@@ -60,6 +68,20 @@ func (s *Store) Records(ctx context.Context, limit int) ([]store.Record, error) 
 		return out, err
 	}
 	return out, scan(ctx, s.client)
+}
+
+// isHashKey says whether key is a bare hex hash, as the engine makes keys.
+func isHashKey(key string) bool {
+	if key == "" {
+		return false
+	}
+	for i := 0; i < len(key); i++ {
+		c := key[i]
+		if (c < '0' || c > '9') && (c < 'a' || c > 'f') {
+			return false
+		}
+	}
+	return true
 }
 
 // scanPattern escapes the glob characters of a prefix ({ns/name} is a
