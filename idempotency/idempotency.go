@@ -263,7 +263,9 @@ type Options struct {
 	// outcome (idemcp.outcome: executed, replayed, waited, conflict,
 	// in-flight, outcome-unknown, store-unavailable), a short hash of the
 	// key (never the key), child spans for the store's round trips, and a
-	// link from a replay to the span of the call that ran fn (nil:
+	// link from a replay to the span of the call that ran fn (from a replay
+	// in another process only under DoJSON: Do keeps its value's bytes
+	// and nothing with them) (nil:
 	// otel.GetTracerProvider(), which traces nothing until the program
 	// sets one). fn runs under the span.
 	TracerProvider trace.TracerProvider
@@ -399,6 +401,12 @@ func (e *PanicError) Unwrap() error { return ErrOutcomeUnknown }
 // wrap ErrConflict, ErrInFlight, ErrOutcomeUnknown or ErrStoreUnavailable,
 // or are ctx's.
 func (g *Group) Do(ctx context.Context, key, fingerprint string, fn func(ctx context.Context) ([]byte, error)) (value []byte, replayed bool, err error) {
+	return g.do(ctx, key, fingerprint, false, fn)
+}
+
+// do is Do; isJSON says fn's values are JSON, so that the span of the call
+// that ran fn can be kept with its record (see claim.Protocol.CompleteJSON).
+func (g *Group) do(ctx context.Context, key, fingerprint string, isJSON bool, fn func(ctx context.Context) ([]byte, error)) (value []byte, replayed bool, err error) {
 	if g.invalid != nil {
 		return nil, false, g.invalid
 	}
@@ -427,7 +435,7 @@ func (g *Group) Do(ctx context.Context, key, fingerprint string, fn func(ctx con
 			f = &flight{fingerprint: sfp, done: make(chan struct{})}
 			g.flights[skey] = f
 			g.mu.Unlock()
-			return g.lead(ctx, f, key, skey, sfp, fn)
+			return g.lead(ctx, f, key, skey, sfp, isJSON, fn)
 		}
 		g.mu.Unlock()
 		// A call with this key runs in this process: wait for it here.
@@ -466,7 +474,7 @@ func (g *Group) Do(ctx context.Context, key, fingerprint string, fn func(ctx con
 // A panic on this goroutine (in the Store's own methods: fn's panics are
 // recovered where fn runs) goes on to the caller, as any panic in its own
 // code would; the calls waiting for this one get a *PanicError.
-func (g *Group) lead(ctx context.Context, f *flight, key, skey, sfp string, fn func(context.Context) ([]byte, error)) (value []byte, replayed bool, err error) {
+func (g *Group) lead(ctx context.Context, f *flight, key, skey, sfp string, isJSON bool, fn func(context.Context) ([]byte, error)) (value []byte, replayed bool, err error) {
 	returned := false
 	defer func() {
 		// Whatever happened, the key is free in this process again.
@@ -482,7 +490,7 @@ func (g *Group) lead(ctx context.Context, f *flight, key, skey, sfp string, fn f
 		g.mu.Unlock()
 		close(f.done)
 	}()
-	value, replayed, err = g.claim(ctx, skey, sfp, fn)
+	value, replayed, err = g.claim(ctx, skey, sfp, isJSON, fn)
 	returned = true
 	if errors.Is(err, ErrConflict) || errors.Is(err, ErrInFlight) || errors.Is(err, ErrOutcomeUnknown) {
 		err = fmt.Errorf("key %q: %w", key, err)
@@ -492,7 +500,7 @@ func (g *Group) lead(ctx context.Context, f *flight, key, skey, sfp string, fn f
 
 // claim runs the store's side: reserve, wait for another process's claim,
 // or run fn and keep its result.
-func (g *Group) claim(ctx context.Context, key, fp string, fn func(context.Context) ([]byte, error)) ([]byte, bool, error) {
+func (g *Group) claim(ctx context.Context, key, fp string, isJSON bool, fn func(context.Context) ([]byte, error)) ([]byte, bool, error) {
 	owner := g.owner + "-" + rand.Text()
 	c := store.Claim{Key: key, Fingerprint: fp, Owner: owner, Lease: g.opts.Lease,
 		Retention: max(g.opts.TTL, g.opts.Lease), TakeOver: !g.opts.AbandonedError}
@@ -551,7 +559,7 @@ func (g *Group) claim(ctx context.Context, key, fp string, fn func(context.Conte
 			ds.span.SetAttributes(tracing.TookOver.Bool(true))
 		}
 		ds.outcome(tracing.OutcomeExecuted)
-		return g.run(ctx, key, owner, fn)
+		return g.run(ctx, key, owner, isJSON, fn)
 	case store.Completed:
 		if r.Waited {
 			ds.outcome(tracing.OutcomeWaited)
@@ -568,7 +576,7 @@ func (g *Group) claim(ctx context.Context, key, fp string, fn func(context.Conte
 
 // run calls fn under a claim this owner holds, detached from ctx's cancel,
 // and keeps the result or releases the claim.
-func (g *Group) run(ctx context.Context, key, owner string, fn func(context.Context) ([]byte, error)) ([]byte, bool, error) {
+func (g *Group) run(ctx context.Context, key, owner string, isJSON bool, fn func(context.Context) ([]byte, error)) ([]byte, bool, error) {
 	held := claim.Held{Key: key, Owner: owner, Lease: g.opts.Lease}
 	var value []byte
 	err := g.claims.Run(ctx, held, func(ctx context.Context, answer func(error)) {
@@ -585,7 +593,11 @@ func (g *Group) run(ctx context.Context, key, owner string, fn func(context.Cont
 		value = v
 		// fn ran: its result goes to the caller once the first attempt to
 		// keep it is made, and it is retried while the lease is renewed.
-		if cerr := g.claims.Complete(ctx, key, owner, v, g.opts.TTL, func() { answer(nil) }); cerr != nil {
+		complete := g.claims.Complete
+		if isJSON {
+			complete = g.claims.CompleteJSON
+		}
+		if cerr := complete(ctx, key, owner, v, g.opts.TTL, func() { answer(nil) }); cerr != nil {
 			g.writeFailed("complete", key, cerr)
 		}
 	})
@@ -634,7 +646,7 @@ func (g *Group) Drain(ctx context.Context) error { return g.claims.Drain(ctx) }
 // DoJSON is Do for values kept as JSON: v is fn's value, or the kept one
 // decoded into a fresh T.
 func DoJSON[T any](ctx context.Context, g *Group, key, fingerprint string, fn func(ctx context.Context) (T, error)) (v T, replayed bool, err error) {
-	raw, replayed, err := g.Do(ctx, key, fingerprint, func(ctx context.Context) ([]byte, error) {
+	raw, replayed, err := g.do(ctx, key, fingerprint, true, func(ctx context.Context) ([]byte, error) {
 		v, err := fn(ctx)
 		if err != nil {
 			return nil, err

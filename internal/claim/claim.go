@@ -344,10 +344,21 @@ const SettleAttemptTimeout = 5 * time.Second
 // nil, store.ErrNotOwner (another owner took the claim over),
 // ErrProbablyApplied, or the store's last error.
 //
-// If ctx holds a sampled span (the call's), its span context is kept with
-// the record, and Reserve hands it to the replays as their Execution.
+// response may be any bytes: Reserve hands the replays exactly these
+// (with no Execution; CompleteJSON keeps it for JSON responses).
 func (p *Protocol) Complete(ctx context.Context, key, owner string, response []byte, ttl time.Duration, firstTried func()) error {
-	response = withTrace(response, trace.SpanContextFromContext(ctx))
+	return p.complete(ctx, key, owner, withTrace(response, trace.SpanContext{}, false), ttl, firstTried)
+}
+
+// CompleteJSON is Complete for a response that is JSON. If ctx holds a
+// sampled span (the call's), its span context is kept with the record
+// (as JSON whitespace after it), and Reserve hands it to the replays as
+// their Execution.
+func (p *Protocol) CompleteJSON(ctx context.Context, key, owner string, response []byte, ttl time.Duration, firstTried func()) error {
+	return p.complete(ctx, key, owner, withTrace(response, trace.SpanContextFromContext(ctx), true), ttl, firstTried)
+}
+
+func (p *Protocol) complete(ctx context.Context, key, owner string, response []byte, ttl time.Duration, firstTried func()) error {
 	return p.retry(ctx, firstTried, func(ctx context.Context) error {
 		return storeOp(ctx, "complete", func(ctx context.Context) error { return p.store.Complete(ctx, key, owner, response, ttl) })
 	})

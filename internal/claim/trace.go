@@ -24,7 +24,8 @@ type Reservation struct {
 	Execution trace.SpanContext
 }
 
-// A completed record whose call was traced carries the call's span
+// A completed record whose call was traced, and whose response is JSON
+// (a sidecar's response, a DoJSON value), carries the call's span
 // context in a trailer after the response:
 //
 //	response | payload (208 bytes) | traceTrailerMark (16 bytes)
@@ -35,7 +36,16 @@ type Reservation struct {
 // earlier release during a rollout or a rollback, a DoJSON of one) still
 // reads the response it stored. It is written inside the sealed record,
 // so it is sealed like the rest; records with no trailer read as before.
+//
+// A response that is not known to be JSON (a Do value: any bytes) gets
+// no trace trailer, since a reader of an earlier release would hand the
+// trailer back as part of the value. Any response that itself ends in
+// something splitTrace would strip (a value that happens to end in such
+// a run of whitespace) gets an empty trailer, version 0, which
+// splitTrace strips and nothing else: a replay returns exactly the bytes
+// stored.
 const (
+	traceTrailerEmpty   = 0
 	traceTrailerVersion = 1
 	traceTrailerBytes   = 1 + 16 + 8 + 1
 	traceTrailerMarkLen = 16
@@ -59,18 +69,23 @@ func whitespaceBits(b []byte) []byte {
 	return out
 }
 
-// withTrace appends sc's trailer to response (response as it is if sc is
-// not a sampled span's).
-func withTrace(response []byte, sc trace.SpanContext) []byte {
-	if !sc.IsValid() || !sc.IsSampled() {
+// withTrace returns what to store for response: with sc's trailer if
+// response is JSON and sc is a sampled span's; with an empty trailer if
+// response would otherwise read back shorter; else response as it is.
+func withTrace(response []byte, sc trace.SpanContext, isJSON bool) []byte {
+	payload := make([]byte, traceTrailerBytes)
+	switch _, _, ok := parseTrailer(response); {
+	case isJSON && sc.IsValid() && sc.IsSampled():
+		tid, sid := sc.TraceID(), sc.SpanID()
+		payload[0] = traceTrailerVersion
+		copy(payload[1:17], tid[:])
+		copy(payload[17:25], sid[:])
+		payload[25] = byte(sc.TraceFlags())
+	case ok:
+		payload[0] = traceTrailerEmpty
+	default:
 		return response
 	}
-	tid, sid := sc.TraceID(), sc.SpanID()
-	payload := make([]byte, 0, traceTrailerBytes)
-	payload = append(payload, traceTrailerVersion)
-	payload = append(payload, tid[:]...)
-	payload = append(payload, sid[:]...)
-	payload = append(payload, byte(sc.TraceFlags()))
 	out := make([]byte, 0, len(response)+traceTrailerLen)
 	out = append(out, response...)
 	out = append(out, whitespaceBits(payload)...)
@@ -88,10 +103,20 @@ func StripTrace(stored []byte) []byte {
 }
 
 // splitTrace splits a stored response into the response and the span
-// context of its trailer (invalid if it has none).
+// context of its trailer (invalid if it has none, or an empty one).
 func splitTrace(stored []byte) ([]byte, trace.SpanContext) {
-	if len(stored) < traceTrailerLen || !bytes.HasSuffix(stored, []byte(traceTrailerMark)) {
+	response, sc, ok := parseTrailer(stored)
+	if !ok {
 		return stored, trace.SpanContext{}
+	}
+	return response, sc
+}
+
+// parseTrailer reports whether stored ends in a trailer, an empty one or
+// one with a valid span context, and if so splits it off.
+func parseTrailer(stored []byte) ([]byte, trace.SpanContext, bool) {
+	if len(stored) < traceTrailerLen || !bytes.HasSuffix(stored, []byte(traceTrailerMark)) {
+		return nil, trace.SpanContext{}, false
 	}
 	bits := stored[len(stored)-traceTrailerLen : len(stored)-traceTrailerMarkLen]
 	var payload [traceTrailerBytes]byte
@@ -101,11 +126,19 @@ func splitTrace(stored []byte) ([]byte, trace.SpanContext) {
 			payload[i/8] |= 1 << (7 - i%8)
 		case ' ':
 		default:
-			return stored, trace.SpanContext{}
+			return nil, trace.SpanContext{}, false
 		}
 	}
-	if payload[0] != traceTrailerVersion {
-		return stored, trace.SpanContext{}
+	response := stored[:len(stored)-traceTrailerLen]
+	switch payload[0] {
+	case traceTrailerEmpty:
+		if payload != [traceTrailerBytes]byte{} {
+			return nil, trace.SpanContext{}, false
+		}
+		return response, trace.SpanContext{}, true
+	case traceTrailerVersion:
+	default:
+		return nil, trace.SpanContext{}, false
 	}
 	var cfg trace.SpanContextConfig
 	copy(cfg.TraceID[:], payload[1:17])
@@ -114,9 +147,9 @@ func splitTrace(stored []byte) ([]byte, trace.SpanContext) {
 	cfg.Remote = true
 	sc := trace.NewSpanContext(cfg)
 	if !sc.IsValid() {
-		return stored, trace.SpanContext{}
+		return nil, trace.SpanContext{}, false
 	}
-	return stored[:len(stored)-traceTrailerLen], sc
+	return response, sc, true
 }
 
 // storeOp runs one store round trip, as a child span of the call's span

@@ -54,7 +54,7 @@ func TestExecutionKeptWithRecord(t *testing.T) {
 				t.Fatalf("Reserve = %v, %v", r, err)
 			}
 			ctx := trace.ContextWithSpanContext(context.Background(), tc.sc)
-			if err := p.Complete(ctx, "k", "o", response, time.Hour, func() {}); err != nil {
+			if err := p.CompleteJSON(ctx, "k", "o", response, time.Hour, func() {}); err != nil {
 				t.Fatal(err)
 			}
 			if !tc.wantTrace && string(st.stored) != string(response) {

@@ -639,7 +639,7 @@ func (e *Engine) settle(ctx context.Context, p *Plan, owner string, up Upstream,
 		e.log.Warn("Result over maxResultBytes was forwarded but not stored; retries get an error, not a second run",
 			"tool", p.Tool, "bytes", len(up.Response), "maxResultBytes", p.Policy.MaxResultBytes)
 	}
-	if cerr := e.claims.Complete(ctx, p.Key, owner, stored, p.keepFor(), firstTried); cerr != nil {
+	if cerr := e.claims.CompleteJSON(ctx, p.Key, owner, stored, p.keepFor(), firstTried); cerr != nil {
 		e.storeWriteFailed("complete", p, cerr)
 	}
 }
