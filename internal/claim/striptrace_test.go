@@ -30,7 +30,7 @@ func TestStoredResultShownWithoutTracingTrailer(t *testing.T) {
 		t.Fatalf("Reserve = %v, %v", r, err)
 	}
 	ctx := trace.ContextWithSpanContext(context.Background(), sampled)
-	if err := p.Complete(ctx, "k", "o", response, time.Hour, func() {}); err != nil {
+	if err := p.CompleteJSON(ctx, "k", "o", response, time.Hour, func() {}); err != nil {
 		t.Fatal(err)
 	}
 	_, stored, err := st.Lookup(context.Background(), "k")

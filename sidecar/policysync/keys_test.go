@@ -38,7 +38,7 @@ func TestKeysLookupSendsResultWithoutTracingTrailer(t *testing.T) {
 	if r, err := p.Reserve(context.Background(), store.Claim{Key: key, Fingerprint: "f", Owner: "o", Lease: time.Minute, Retention: time.Hour}, claim.Waits{Timeout: time.Second}); err != nil || r.State != store.Won {
 		t.Fatalf("Reserve = %v, %v", r, err)
 	}
-	if err := p.Complete(trace.ContextWithSpanContext(context.Background(), sampled), key, "o", response, time.Hour, func() {}); err != nil {
+	if err := p.CompleteJSON(trace.ContextWithSpanContext(context.Background(), sampled), key, "o", response, time.Hour, func() {}); err != nil {
 		t.Fatal(err)
 	}
 	if _, stored, _ := mem.Lookup(context.Background(), key); string(stored) == string(response) {
