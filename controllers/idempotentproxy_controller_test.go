@@ -22,6 +22,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"github.com/idemcp/idemcp/api/v1alpha1"
+	"github.com/idemcp/idemcp/internal/freeport"
 	"github.com/idemcp/idemcp/webhook"
 )
 
@@ -71,10 +72,19 @@ func waitProxyCondition(t *testing.T, ns, name, typ, reason string) metav1.Condi
 func tlsUpstream(t *testing.T) (*httptest.Server, *atomic.Int32, string) {
 	t.Helper()
 	var requests atomic.Int32
-	srv := httptest.NewTLSServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
 		requests.Add(1)
 		w.WriteHeader(http.StatusTeapot)
 	}))
+	// On a port freeport reserves for this process, so that a test that
+	// closes the server can listen on its address again.
+	ln, err := net.Listen("tcp", freeport.Loopback(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = srv.Listener.Close()
+	srv.Listener = ln
+	srv.StartTLS()
 	t.Cleanup(srv.Close)
 	caPEM := string(pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: srv.Certificate().Raw}))
 	return srv, &requests, caPEM
@@ -356,7 +366,7 @@ func TestIdempotentProxyUpstreamReachability(t *testing.T) {
 	// And back.
 	ln, err := net.Listen("tcp", strings.TrimPrefix(srv.URL, "https://"))
 	if err != nil {
-		t.Skipf("the server's port was taken meanwhile: %v", err)
+		t.Fatalf("listening again on the server's address (freeport reserved it for this process): %v", err)
 	}
 	back := httptest.NewUnstartedServer(srv.Config.Handler)
 	_ = back.Listener.Close()
@@ -402,9 +412,12 @@ func TestProxySharesNoKeySpace(t *testing.T) {
 	eventually(t, "ExternalRedisConfigured with a workload and a proxy", func() error {
 		return condition(getPolicy(t, ns, "shared"), v1alpha1.ConditionStoreReady, metav1.ConditionTrue, v1alpha1.ReasonExternalRedis)
 	})
-	time.Sleep(2 * time.Second) // the reconciles the pods caused are done
-	if err := condition(getPolicy(t, ns, "shared"), v1alpha1.ConditionStoreReady, metav1.ConditionTrue, v1alpha1.ReasonExternalRedis); err != nil {
-		t.Fatal(err)
+	// It stays so while the reconciles the pods caused run (no signal says
+	// they are done: look for 2s).
+	for end := time.Now().Add(2 * time.Second); time.Now().Before(end); time.Sleep(100 * time.Millisecond) {
+		if err := condition(getPolicy(t, ns, "shared"), v1alpha1.ConditionStoreReady, metav1.ConditionTrue, v1alpha1.ReasonExternalRedis); err != nil {
+			t.Fatal(err)
+		}
 	}
 }
 

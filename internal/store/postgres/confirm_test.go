@@ -8,6 +8,7 @@ import (
 	"github.com/idemcp/idemcp/internal/store"
 	pgstore "github.com/idemcp/idemcp/internal/store/postgres"
 	"github.com/idemcp/idemcp/internal/store/postgres/pgtest"
+	"github.com/idemcp/idemcp/test/poll"
 )
 
 // syncPair is a primary with one synchronous standby, FIRST 1 (standby).
@@ -17,13 +18,9 @@ func syncPair(t *testing.T) (primary, standby *pgtest.Server) {
 	standby = pgtest.StartStandby(t, primary, "standby")
 	pgtest.Exec(t, primary.URL, `ALTER SYSTEM SET synchronous_standby_names = 'FIRST 1 (standby)'`)
 	pgtest.Exec(t, primary.URL, `SELECT pg_reload_conf()`)
-	deadline := time.Now().Add(30 * time.Second)
-	for queryInt(t, primary.URL, `SELECT count(*) FROM pg_stat_replication WHERE application_name = 'standby' AND sync_state = 'sync' AND state = 'streaming'`) != 1 {
-		if time.Now().After(deadline) {
-			t.Fatal("the standby did not become synchronous within 30s")
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+	poll.Within(t, 30*time.Second, "the standby to become synchronous", poll.True(func() bool {
+		return queryInt(t, primary.URL, `SELECT count(*) FROM pg_stat_replication WHERE application_name = 'standby' AND sync_state = 'sync' AND state = 'streaming'`) == 1
+	}))
 	return primary, standby
 }
 
