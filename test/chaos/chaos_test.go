@@ -47,9 +47,14 @@ const (
 	defaultSeed = 17
 	// lease of the sections with a single Redis: short, so that a pause
 	// longer than it is cheap.
-	lease       = time.Second
-	agents      = 12
-	maxAttempts = 12
+	lease  = time.Second
+	agents = 12
+	// patience is how long an agent retries one call before it gives up
+	// and the call counts as left without an answer. It is a time, not a
+	// number of attempts: a run of failovers answers "retry later" for
+	// seconds at a time (CI saw 12 attempts used up in 15s), while a
+	// wedged key answers so for good.
+	patience = 60 * time.Second
 	// stallFor is how long a stalled client stops reading.
 	stallFor = 2 * time.Second
 )
@@ -238,6 +243,10 @@ type world struct {
 	pg          *pgPair
 	// unavailable: attempts answered -32013, from start to answer.
 	unavailable [][2]time.Time
+	// violations: the classifier's explanation of each execution or
+	// answer that breaks a guarantee, repeated beside the test's error
+	// (CI keeps only part of a long log).
+	violations []string
 }
 
 type lockedRand struct {
@@ -442,6 +451,9 @@ func run(t *testing.T, sec section, duration time.Duration) *report {
 			}
 		}
 	}
+	if len(w.violations) != 0 {
+		t.Errorf("what broke a guarantee, with the faults around it:\n%s\n%s", strings.Join(w.violations, "\n"), w.faultWindows())
+	}
 	if r.duplicates != 0 {
 		t.Errorf("%d executions ran while the call's result was stored", r.duplicates)
 	}
@@ -644,7 +656,15 @@ func (w *world) history() *history.History {
 		// killed that long after answering may have lost it.
 		StoreRetrySlack: cond(w.failover != nil || w.pg != nil, 16*time.Second, 0),
 		Executions:      w.execs, Completions: w.completions, Losses: w.restarts,
-		Logf: w.t.Logf,
+		Logf: func(format string, args ...any) {
+			line := fmt.Sprintf(format, args...)
+			w.t.Log(line)
+			for _, must0 := range []string{"duplicate:", "mismatch:", "lost claim:", "replayed, then lost"} {
+				if strings.HasPrefix(line, must0) {
+					w.violations = append(w.violations, line)
+				}
+			}
+		},
 	}
 	for _, o := range w.outages {
 		h.Outages = append(h.Outages, history.Window{From: o[0], To: o[1], Sidecar: history.All})
@@ -719,7 +739,7 @@ type outcome struct {
 func (a *agent) logicalCall(id string) outcome {
 	var out outcome
 	unavailable := 0 // answers "retry later" so far
-	for out.attempts < maxAttempts {
+	for first := time.Now(); time.Since(first) < patience; {
 		out.attempts++
 		drop := a.w.rnd.float() < 0.10
 		stall := !drop && a.w.rnd.float() < 0.05
@@ -757,6 +777,9 @@ type attemptState struct {
 	mu     sync.Mutex
 	dialed time.Time // of the oldest connection the attempt used
 	code   int64     // a JSON-RPC error code in a non-2xx response
+	// firstByte: when the tools/call response's first byte came, the
+	// earliest the sidecar may have written its answer.
+	firstByte time.Time
 }
 
 // attempt makes one call; it returns "ok", the idemcp error code, or
@@ -782,7 +805,10 @@ func (a *agent) attempt(id string, drop, stall bool) string {
 		b, _ := json.Marshal(res.StructuredContent)
 		replayed, _ := res.Meta["idemcp.io/replayed"].(bool)
 		w.mu.Lock()
-		w.completions[id] = append(w.completions[id], history.Completion{From: cond(replayed, time.Now(), start), At: time.Now(), Body: string(b), Replayed: replayed, Sidecar: i})
+		st.mu.Lock()
+		answered := st.firstByte
+		st.mu.Unlock()
+		w.completions[id] = append(w.completions[id], history.Completion{From: cond(replayed, time.Now(), start), Answered: answered, At: time.Now(), Body: string(b), Replayed: replayed, Sidecar: i})
 		w.mu.Unlock()
 		w.code("ok")
 		return "ok"
@@ -819,6 +845,29 @@ func (a *agent) attempt(id string, drop, stall bool) string {
 	}
 	return "fault"
 }
+
+// faultWindows lists the kills, outages and lapses the run recorded, for
+// a failure's message.
+func (w *world) faultWindows() string {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	var b strings.Builder
+	win := func(kind string, from, to time.Time) {
+		fmt.Fprintf(&b, "%s %s-%s\n", kind, ts(from), ts(to))
+	}
+	for k, kw := range w.killed {
+		win(fmt.Sprintf("sidecar %d killed", w.killedBy[k]), kw[0], kw[1])
+	}
+	for _, o := range w.outages {
+		win("store away", o[0], o[1])
+	}
+	for _, p := range w.pauses {
+		win("claims may lapse", p[0], p[1])
+	}
+	return b.String()
+}
+
+func ts(t time.Time) string { return t.Format("15:04:05.000") }
 
 func (w *world) sidecarDown(i int, from, to time.Time) bool {
 	w.mu.Lock()
@@ -861,12 +910,19 @@ type agentTransport struct {
 func (t *agentTransport) RoundTrip(r *http.Request) (*http.Response, error) {
 	ctx := r.Context()
 	if st, _ := ctx.Value(attemptKey{}).(*attemptState); st != nil {
+		call := r.Header.Get("Mcp-Method") == "tools/call"
 		ctx = httptrace.WithClientTrace(ctx, &httptrace.ClientTrace{GotConn: func(info httptrace.GotConnInfo) {
 			if tc, ok := info.Conn.(*timedConn); ok {
 				st.mu.Lock()
 				if st.dialed.IsZero() || tc.dialed.Before(st.dialed) {
 					st.dialed = tc.dialed
 				}
+				st.mu.Unlock()
+			}
+		}, GotFirstResponseByte: func() {
+			if call {
+				st.mu.Lock()
+				st.firstByte = time.Now()
 				st.mu.Unlock()
 			}
 		}})

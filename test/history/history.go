@@ -29,7 +29,15 @@ type Completion struct {
 	// when it was answered.
 	From time.Time
 	At   time.Time
-	Body string
+	// Answered, when set, is the earliest the sidecar may have written the
+	// answer: when the client got the response's first byte. A client
+	// reads a response some time after it was written (a stalled reader
+	// seconds later), and the sidecar stores the result just after
+	// writing it, so a kill of the sidecar after Answered (the process
+	// that answered was alive to write it) may have lost the result even
+	// when it came before At. Zero means At.
+	Answered time.Time
+	Body     string
 	// Replayed: the sidecar answered from the store, not by running it.
 	Replayed bool
 	// Sidecar answered it.
@@ -280,8 +288,12 @@ func (h *History) diedBeforeStoring(c Completion) bool {
 			storedBy = o.To.Add(h.storeRetrySlack())
 		}
 	}
+	answered := c.At
+	if !c.Answered.IsZero() && c.Answered.Before(answered) {
+		answered = c.Answered
+	}
 	for _, k := range h.Kills {
-		if k.Sidecar == c.Sidecar && !k.From.Before(c.At) && k.From.Before(storedBy) {
+		if k.Sidecar == c.Sidecar && !k.From.Before(answered) && k.From.Before(storedBy) {
 			return true
 		}
 	}

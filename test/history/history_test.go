@@ -76,6 +76,16 @@ func TestClassify(t *testing.T) {
 			Kills: []Window{{From: at(101), To: at(600), Sidecar: 0}}},
 		want: Verdict{Executions: 2, LostWithSidecar: 1},
 	}, {
+		name: "the owner's sidecar was killed after its answer was written but before a stalled client read it: lost with it",
+		h: History{Retry: true, Executions: twice, Completions: map[string][]Completion{"c": {{From: at(0), Answered: at(60), At: at(100), Body: "a", Sidecar: 0}}},
+			Kills: []Window{{From: at(70), To: at(600), Sidecar: 0}}},
+		want: Verdict{Executions: 2, LostWithSidecar: 1},
+	}, {
+		name: "the owner's sidecar was killed before the answer's first byte: a duplicate",
+		h: History{Retry: true, Executions: twice, Completions: map[string][]Completion{"c": {{From: at(0), Answered: at(60), At: at(100), Body: "a", Sidecar: 0}}},
+			Kills: []Window{{From: at(50), To: at(600), Sidecar: 0}}},
+		want: Verdict{Executions: 2, Duplicates: 1}, fails: true,
+	}, {
 		name: "the owner's sidecar was killed well after storing: a duplicate",
 		h: History{Retry: true, Executions: twice, Completions: map[string][]Completion{"c": answered},
 			Kills: []Window{{From: at(1500), To: at(2000), Sidecar: 0}}},
