@@ -109,7 +109,7 @@ demo-images: image ## Write the images make demo KUBECONFIG=... runs: dist/idemc
 	@echo "load both into the cluster (kind load image-archive, ctr -n k8s.io images import) or push them, then: make demo KUBECONFIG=... IMG=$(IMG) DEMO_SERVER_IMG=$(DEMO_SERVER_IMG)"
 
 .PHONY: chaos
-chaos: ## The chaos tests (3 sidecars; a real Redis, a Sentinel pair, a fault proxy, a PostgreSQL primary and standby; injected faults; about 4 minutes), printing their counts.
+chaos: ## The chaos tests (3 sidecars; a real Redis, a Sentinel pair, a fault proxy, a PostgreSQL primary and standby, a stepping clock; injected faults; about 5 minutes), printing their counts.
 	$(GO) test -race -count=1 -timeout 20m -v -run 'TestChaos' ./test/chaos/ | grep -v '^=== '
 
 SEEDS ?= $(shell seq 1 20)

@@ -209,7 +209,7 @@ type SealOptions struct {
 	// (default SealExpiryGrace).
 	ExpiryGrace time.Duration
 	// Now is the sidecar's clock, which sealed expiries are written and
-	// checked by (default time.Now).
+	// checked by (default the wall clock).
 	Now func() time.Time
 }
 
@@ -247,7 +247,7 @@ func Seal(inner Store, o SealOptions) *Sealed {
 	}
 	now := o.Now
 	if now == nil {
-		now = time.Now
+		now = wallClock
 	}
 	return &Sealed{Store: inner, ring: o.Keyring, ctx: o.Context, onFail: onFail, grace: grace, now: now}
 }

@@ -10,6 +10,8 @@ package chaos_test
 import (
 	"bytes"
 	"context"
+	crand "crypto/rand"
+	"encoding/base64"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -68,6 +70,7 @@ const (
 	faultRedisRestart  = "redis restart"
 	faultRedisPause    = "redis pause > lease"
 	faultSidecarKilled = "sidecar SIGKILL"
+	faultClockStep     = "clock step on sidecar 0 (within the seal's expiry grace)"
 	// A Sentinel failover of the primary to its replica, asked of
 	// Sentinel, or after the primary was SIGKILLed.
 	faultFailoverForced = "redis sentinel failover (SENTINEL FAILOVER)"
@@ -129,6 +132,20 @@ func TestChaosSentinelFailover(t *testing.T) {
 	r.writeSeed(t)
 }
 
+// TestChaosClockStep seals the results with one key for the three
+// sidecars and steps one sidecar's clock (by which sealed expiries are
+// written and checked) forward and back, up to 100s, while Redis restarts
+// and pauses: within the seal's expiry grace nothing runs twice, every
+// replay is the stored result, and no sidecar takes a live result as
+// expired.
+func TestChaosClockStep(t *testing.T) {
+	r := run(t, section{onAbandoned: "Retry", lease: lease, clockStep: true}, envDuration(t, 25*time.Second))
+	if r.faults[faultClockStep] == 0 {
+		t.Errorf("no clock step in %v", r.duration)
+	}
+	r.write(t)
+}
+
 // section is what one chaos test runs.
 type section struct {
 	onAbandoned string
@@ -145,6 +162,10 @@ type section struct {
 	// postgres: a PostgreSQL primary and its synchronous standby instead
 	// of Redis; failovers instead of restarts and pauses.
 	postgres bool
+	// clockStep: results are sealed, and one sidecar's clock (which sealed
+	// expiries are written and checked by) steps forward and back within
+	// the seal's expiry grace instead of sidecars being killed.
+	clockStep bool
 }
 
 func (s section) title() string {
@@ -156,6 +177,9 @@ func (s section) title() string {
 	}
 	if s.sentinel {
 		return fmt.Sprintf("onAbandoned: %s, Sentinel failover, min-replicas %d", s.onAbandoned, s.minReplicas)
+	}
+	if s.clockStep {
+		return fmt.Sprintf("onAbandoned: %s, sealed results, a clock stepping on one sidecar", s.onAbandoned)
 	}
 	return "onAbandoned: " + s.onAbandoned
 }
@@ -243,6 +267,8 @@ type world struct {
 	pg          *pgPair
 	// unavailable: attempts answered -32013, from start to answer.
 	unavailable [][2]time.Time
+	// clockFile holds sidecar 0's clock offset (the clock-step section).
+	clockFile string
 	// violations: the classifier's explanation of each execution or
 	// answer that breaks a guarantee, repeated beside the test's error
 	// (CI keeps only part of a long log).
@@ -338,8 +364,24 @@ func run(t *testing.T, sec section, duration time.Duration) *report {
 	if err := os.WriteFile(policy, []byte(body), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	for range 3 {
-		w.sidecars = append(w.sidecars, procs.StartSidecar(t, bin, nil,
+	var env [3][]string
+	if sec.clockStep {
+		// A build whose wall clock a file steps (the faultclock tag), one
+		// seal key for the three, and sidecar 0's clock in that file.
+		bin = procs.Build(t, "github.com/idemcp/idemcp", "-tags", "faultclock")
+		key := make([]byte, 32)
+		_, _ = crand.Read(key)
+		w.clockFile = filepath.Join(t.TempDir(), "clock-offset")
+		if err := os.WriteFile(w.clockFile, []byte("0s"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		for i := range env {
+			env[i] = []string{"IDEMCP_SEAL_KEYS=" + base64.StdEncoding.EncodeToString(key)}
+		}
+		env[0] = append(env[0], "IDEMCP_FAULT_CLOCK_FILE="+w.clockFile)
+	}
+	for i := range 3 {
+		w.sidecars = append(w.sidecars, procs.StartSidecar(t, bin, env[i],
 			append([]string{"--upstream", upstream.URL, "--policy-file", policy}, sidecarArgs...)...))
 	}
 	r := &report{title: sec.title(), lease: sec.lease, seed: s, duration: duration}
@@ -417,6 +459,9 @@ func run(t *testing.T, sec section, duration time.Duration) *report {
 	// Resources back to baseline once the traffic is over. The fault
 	// proxy's goroutines are the sidecars' connections to Redis, held in
 	// this process: it goes first.
+	if w.clockFile != "" {
+		w.checkSealed(storeSpecAddr(w))
+	}
 	if w.toxics != nil {
 		w.toxics.proxy.Stop()
 	}
@@ -564,6 +609,9 @@ func (w *world) injectInfraFaults(ctx context.Context) {
 			w.failover.failOver(w, k == 0)
 		case w.pg != nil && k < 2:
 			w.pg.failOver(w, k == 1)
+		case w.clockFile != "" && k >= 2:
+			// Instead of a sidecar killed: sidecar 0's clock steps.
+			w.stepClock()
 		case w.toxics != nil && k < 3:
 			// The network to the store misbehaves instead, each kind in
 			// turn.
@@ -626,6 +674,67 @@ func (w *world) injectInfraFaults(ctx context.Context) {
 		}
 	}
 }
+
+// maxClockStep bounds the stepped sidecar's clock offset: inside the
+// seal's expiry grace (store.SealExpiryGrace, 2m), within which node clocks
+// may differ and every guarantee holds.
+const maxClockStep = 100 * time.Second
+
+// stepClock sets sidecar 0's clock to a new offset, forward or back.
+func (w *world) stepClock() {
+	w.fault(faultClockStep)
+	d := time.Duration(w.rnd.intn(2*int(maxClockStep/time.Second)+1))*time.Second - maxClockStep
+	if err := os.WriteFile(w.clockFile, []byte(d.String()), 0o600); err != nil {
+		w.t.Errorf("stepping the clock: %v", err)
+	}
+	w.t.Logf("%s sidecar 0's clock now %v off", ts(time.Now()), d)
+}
+
+// checkSealed: the results in Redis are sealed (no plain result text),
+// and no sidecar took a stored result as expired or forged.
+func (w *world) checkSealed(addr string) {
+	keys, err := redistest.Do(addr, "KEYS", "idemcp:chaos/*")
+	if err != nil || keys == "" {
+		w.t.Errorf("listing the stored records: %q, %v", keys, err)
+		return
+	}
+	records := 0
+	for k := range strings.SplitSeq(keys, "\n") {
+		typ, _ := redistest.Do(addr, "TYPE", k)
+		var v string
+		switch typ {
+		case "hash":
+			v, err = redistest.Do(addr, "HGETALL", k)
+		case "string":
+			v, err = redistest.Do(addr, "GET", k)
+		default:
+			continue
+		}
+		if err != nil {
+			w.t.Errorf("reading %s: %v", k, err)
+			continue
+		}
+		records++
+		if strings.Contains(v, "charged") {
+			w.t.Errorf("record %s holds a plain result (%.80q): results are not sealed", k, v)
+			return
+		}
+	}
+	if records == 0 {
+		w.t.Errorf("no record among the %d keys", len(strings.Split(keys, "\n")))
+	}
+	for i, sc := range w.sidecars {
+		for _, reason := range []string{"expired", "forged", "unknown_key", "malformed"} {
+			if n, err := sc.Metric(`idemcp_sealed_open_failures_total{reason="` + reason + `"}`); err == nil && n != 0 {
+				w.t.Errorf("sidecar %d: %v stored results failed to open as %s (idemcp_sealed_open_failures_total): a clock step inside the grace must not make a live result look %s", i, n, reason, reason)
+			}
+		}
+	}
+}
+
+// storeSpecAddr is the address of the one Redis of a section without
+// failovers.
+func storeSpecAddr(w *world) string { return w.redis.Addr }
 
 // redialProbe is how long after Redis is back a sidecar may still find it
 // away: go-redis, once as many dials as its pool size have failed, fails
