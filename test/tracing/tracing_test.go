@@ -6,17 +6,14 @@
 package tracing_test
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptest"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"sync/atomic"
@@ -31,6 +28,7 @@ import (
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 
 	"github.com/idemcp/idemcp/internal/store/redis/redistest"
+	"github.com/idemcp/idemcp/test/otlp"
 	"github.com/idemcp/idemcp/test/procs"
 )
 
@@ -38,74 +36,6 @@ func TestMain(m *testing.M) {
 	code := m.Run()
 	procs.Cleanup()
 	os.Exit(code)
-}
-
-// span is one line of the receiver's file (hack/otlp-receiver).
-type span struct {
-	Service      string         `json:"service"`
-	TraceID      string         `json:"traceId"`
-	SpanID       string         `json:"spanId"`
-	ParentSpanID string         `json:"parentSpanId"`
-	Name         string         `json:"name"`
-	Kind         string         `json:"kind"`
-	Attributes   map[string]any `json:"attributes"`
-	Links        []struct {
-		TraceID string `json:"traceId"`
-		SpanID  string `json:"spanId"`
-	} `json:"links"`
-	Resource map[string]any `json:"resource"`
-}
-
-// receiver runs the OTLP receiver and returns its OTLP/HTTP endpoint and
-// a function that reads the spans it has stored.
-func receiver(t *testing.T) (endpoint string, spans func() []span) {
-	t.Helper()
-	out, err := exec.Command("../../hack/setup-otlp-receiver.sh").Output()
-	if err != nil {
-		var stderr string
-		if ee := (*exec.ExitError)(nil); errors.As(err, &ee) {
-			stderr = string(ee.Stderr)
-		}
-		t.Fatalf("building the OTLP receiver (hack/setup-otlp-receiver.sh): %v\n%s", err, stderr)
-	}
-	bin := strings.TrimSpace(string(out))
-	addr := procs.FreeAddr(t)
-	file := filepath.Join(t.TempDir(), "spans.jsonl")
-	cmd := exec.Command(bin, "--http", addr, "--out", file)
-	cmd.Stderr = os.Stderr
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		resp, err := http.Post("http://"+addr+"/v1/traces", "application/json", strings.NewReader(`{}`))
-		if err == nil {
-			_ = resp.Body.Close()
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("the OTLP receiver did not listen on %s: %v", addr, err)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
-	return "http://" + addr, func() []span {
-		f, err := os.Open(file)
-		if err != nil {
-			return nil
-		}
-		defer func() { _ = f.Close() }()
-		var all []span
-		sc := bufio.NewScanner(f)
-		sc.Buffer(nil, 1<<20)
-		for sc.Scan() {
-			var s span
-			if json.Unmarshal(sc.Bytes(), &s) == nil {
-				all = append(all, s)
-			}
-		}
-		return all
-	}
 }
 
 // What the user's data is: none of it may appear in a span.
@@ -187,7 +117,7 @@ func agentCall(client *http.Client, url, headerParent, metaParent string) (map[s
 }
 
 func TestReplayLinksToExecution(t *testing.T) {
-	endpoint, spans := receiver(t)
+	endpoint, spans := otlp.Receiver(t)
 	rdb := redistest.Start(t)
 	upstream, executions, flushServer := tracedServer(t, endpoint)
 
@@ -243,8 +173,8 @@ spec:
 	execution, _ := meta["idemcp.io/execution"].(string)
 	flushServer()
 
-	var executed, replay, server *span
-	var all []span
+	var executed, replay, server *otlp.Span
+	var all []otlp.Span
 	deadline := time.Now().Add(15 * time.Second)
 	for time.Now().Before(deadline) {
 		all = spans()
