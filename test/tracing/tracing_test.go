@@ -9,6 +9,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
@@ -29,6 +30,7 @@ import (
 
 	"github.com/idemcp/idemcp/internal/store/redis/redistest"
 	"github.com/idemcp/idemcp/test/otlp"
+	"github.com/idemcp/idemcp/test/poll"
 	"github.com/idemcp/idemcp/test/procs"
 )
 
@@ -175,8 +177,10 @@ spec:
 
 	var executed, replay, server *otlp.Span
 	var all []otlp.Span
-	deadline := time.Now().Add(15 * time.Second)
-	for time.Now().Before(deadline) {
+	// The execution's store spans: the reserve, and the complete that
+	// ends after the answer (and may reach the receiver in a later batch).
+	storeSpans := 0
+	_ = poll.Until(context.Background(), 15*time.Second, func() error {
 		all = spans()
 		executed, replay, server = nil, nil, nil
 		for i := range all {
@@ -190,11 +194,20 @@ spec:
 				server = s
 			}
 		}
-		if executed != nil && replay != nil && server != nil {
-			break
+		if executed == nil || replay == nil || server == nil {
+			return errors.New("not all spans yet")
 		}
-		time.Sleep(100 * time.Millisecond)
-	}
+		storeSpans = 0
+		for _, s := range all {
+			if strings.HasPrefix(s.Name, "idemcp.store ") && s.ParentSpanID == executed.SpanID {
+				storeSpans++
+			}
+		}
+		if storeSpans < 2 {
+			return errors.New("not all store spans yet")
+		}
+		return nil
+	})
 	if executed == nil || replay == nil || server == nil {
 		t.Fatalf("the receiver did not get the execution's, the replay's and the server's spans within 15s (got %d spans: %+v)", len(all), all)
 	}
@@ -239,12 +252,6 @@ spec:
 		t.Errorf("result._meta[idemcp.io/execution] = %q, want %q", execution, want)
 	}
 	// The store's round trips are children of the call's span.
-	storeSpans := 0
-	for _, s := range all {
-		if strings.HasPrefix(s.Name, "idemcp.store ") && s.ParentSpanID == executed.SpanID {
-			storeSpans++
-		}
-	}
 	if storeSpans < 2 { // reserve and complete
 		for _, s := range all {
 			t.Logf("%s %s %s parent %s %v", s.Service, s.Name, s.SpanID, s.ParentSpanID, s.Attributes)
