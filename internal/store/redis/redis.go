@@ -21,6 +21,7 @@ import (
 	"fmt"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -111,9 +112,10 @@ type Options struct {
 
 // Store is a store.Store in Redis. It is safe for concurrent use.
 type Store struct {
-	client     redis.UniversalClient
-	replicas   int
-	replicaTO  time.Duration
+	client redis.UniversalClient
+	// rep is MinReplicas with its ReplicaTimeout, read once by each
+	// operation; SetMinReplicas swaps it while the store serves.
+	rep        atomic.Pointer[replication]
 	ownsClient bool
 	prefix     string
 	channel    string
@@ -162,7 +164,7 @@ func New(opts Options) (*Store, error) {
 	}
 	s := newStore(redis.NewUniversalClient(uo), opts.Prefix, opts.PollInterval)
 	s.ownsClient = true
-	s.replicas, s.replicaTO = opts.MinReplicas, orDefault(opts.ReplicaTimeout, DefaultReplicaTimeout)
+	s.rep.Store(&replication{n: opts.MinReplicas, timeout: orDefault(opts.ReplicaTimeout, DefaultReplicaTimeout)})
 	s.preload(uo.DialTimeout)
 	return s, nil
 }
@@ -186,8 +188,40 @@ func newStore(c redis.UniversalClient, prefix string, poll time.Duration) *Store
 		poll:    orDefault(poll, DefaultPollInterval),
 	}
 	s.waiters = newWakeHub(c, s.channel)
+	s.rep.Store(&replication{timeout: DefaultReplicaTimeout})
 	return s
 }
+
+// replication is how many replicas every write waits for, and for how
+// long.
+type replication struct {
+	n       int
+	timeout time.Duration
+}
+
+// SetMinReplicas changes MinReplicas and ReplicaTimeout (0: the default)
+// of a store that serves: a policy's store.redis.external.minReplicas
+// changed live. Calls already under way finish with the value they
+// started with. Results stored while it was 0 carry no acknowledgement,
+// so once it is raised each is confirmed with the replicas (written and
+// waited for again) before its first replay.
+func (s *Store) SetMinReplicas(n int, timeout time.Duration) error {
+	if n < 0 {
+		return fmt.Errorf("redis store: MinReplicas %d: want 0 (do not wait for replicas) or more", n)
+	}
+	switch s.client.(type) {
+	case *redis.ClusterClient, *redis.Client:
+	default:
+		if n > 0 {
+			return fmt.Errorf("redis store: MinReplicas needs a standalone, Sentinel or Cluster client, not %T", s.client)
+		}
+	}
+	s.rep.Store(&replication{n: n, timeout: orDefault(timeout, DefaultReplicaTimeout)})
+	return nil
+}
+
+// MinReplicas is the number of replicas every write waits for now.
+func (s *Store) MinReplicas() int { return s.rep.Load().n }
 
 // preload puts the scripts in Redis's script cache, so that the first call
 // of each is one EVALSHA rather than a NOSCRIPT and an EVAL. Failure is
@@ -243,7 +277,7 @@ func (s *Store) Reserve(ctx context.Context, c store.Claim) (store.Reservation, 
 		discard = "1"
 	}
 	confirm := "0"
-	if s.replicas > 0 {
+	if s.rep.Load().n > 0 {
 		confirm = "1"
 	}
 	res, err := s.write(ctx, "reserve", c.Key, reserveScript, func(r any) bool {
@@ -331,7 +365,8 @@ func (s *Store) owned(ctx context.Context, op, key string, sc *redis.Script, arg
 // failed WAIT returns the script's reply with its error.
 func (s *Store) write(ctx context.Context, op, key string, sc *redis.Script, wrote func(any) bool, args ...any) (any, error) {
 	full := s.prefix + key
-	if s.replicas == 0 {
+	rep := *s.rep.Load()
+	if rep.n == 0 {
 		r, err := sc.Run(ctx, s.client, []string{full}, args...).Result()
 		if err != nil {
 			return nil, unavailable(op, key, err)
@@ -350,18 +385,18 @@ func (s *Store) write(ctx context.Context, op, key string, sc *redis.Script, wro
 	if !wrote(r) {
 		return r, nil
 	}
-	timeout := s.replicaTO
+	timeout := rep.timeout
 	if dl, ok := ctx.Deadline(); ok {
 		// WAIT 0 would block forever.
 		timeout = max(min(timeout, time.Until(dl)), time.Millisecond)
 	}
-	acked, err := conn.Wait(ctx, s.replicas, timeout).Result()
+	acked, err := conn.Wait(ctx, rep.n, timeout).Result()
 	if err != nil {
-		return r, unavailable(op, key, fmt.Errorf("waiting for %d replicas: %w", s.replicas, err))
+		return r, unavailable(op, key, fmt.Errorf("waiting for %d replicas: %w", rep.n, err))
 	}
-	if acked < int64(s.replicas) {
+	if acked < int64(rep.n) {
 		return r, unavailable(op, key, fmt.Errorf("%w: written on the primary, but %d of the %d replicas required (MinReplicas) acknowledged it within %v",
-			ErrTooFewReplicas, acked, s.replicas, timeout))
+			ErrTooFewReplicas, acked, rep.n, timeout))
 	}
 	return r, nil
 }
@@ -399,7 +434,7 @@ func (s *Store) Complete(ctx context.Context, key, owner string, response []byte
 	if err := s.owned(ctx, "complete", key, completeScript, owner, response, millis(ttl), nonce, s.channel); err != nil {
 		return err
 	}
-	if s.replicas > 0 {
+	if s.rep.Load().n > 0 {
 		// Best effort: without the mark the first replay confirms it.
 		_ = ackScript.Run(ctx, s.client, []string{s.prefix + key}, nonce).Err()
 	}
@@ -441,7 +476,7 @@ func (s *Store) Wait(ctx context.Context, key string) error {
 	for {
 		resub := s.waiters.resubscribed()
 		confirm := "0"
-		if s.replicas > 0 {
+		if s.rep.Load().n > 0 {
 			confirm = "1"
 		}
 		left, err := probeScript.Run(ctx, s.client, []string{full}, confirm).Int64()

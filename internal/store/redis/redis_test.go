@@ -674,3 +674,51 @@ func TestReserveResentLateRenewsTheLease(t *testing.T) {
 		t.Fatalf("another caller's Reserve 200ms after the re-sent one (lease 500ms) = %+v, %v; want pending: the owner's lease runs from its re-sent Reserve", r, err)
 	}
 }
+
+// TestSetMinReplicasLive: MinReplicas changed on a store that serves (a
+// policy's minReplicas changed live) holds from the next call: raised,
+// a claim with no replica in reach fails as too few replicas; lowered
+// again, it succeeds; a result stored while it was 0 is confirmed with
+// the replica before its first replay once it is raised.
+func TestSetMinReplicasLive(t *testing.T) {
+	primary := redistest.Start(t)
+	replica := redistest.StartReplica(t, primary)
+	s := newStore(t, redisstore.Options{Addrs: []string{primary.Addr}})
+	ctx := context.Background()
+	c := claim("before", time.Minute)
+	if r, err := s.Reserve(ctx, c); err != nil || r.State != store.Won {
+		t.Fatalf("Reserve with MinReplicas 0: %v, %v", r.State, err)
+	}
+	if err := s.Complete(ctx, "before", c.Owner, []byte("result"), time.Minute); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.SetMinReplicas(-1, 0); err == nil || !strings.Contains(err.Error(), "MinReplicas -1") {
+		t.Fatalf("SetMinReplicas(-1) = %v, want an error naming it", err)
+	}
+	if err := s.SetMinReplicas(1, 200*time.Millisecond); err != nil {
+		t.Fatal(err)
+	}
+	if s.MinReplicas() != 1 {
+		t.Fatalf("MinReplicas() = %d after SetMinReplicas(1)", s.MinReplicas())
+	}
+	// The replica has it: the replay of the earlier result confirms and
+	// replays.
+	poll.Within(t, 10*time.Second, "the unacknowledged result to replay once confirmed", poll.True(func() bool {
+		r, err := s.Reserve(ctx, claim("before", time.Minute))
+		return err == nil && r.State == store.Completed && string(r.Response) == "result"
+	}))
+	replica.Pause()
+	_, err := s.Reserve(ctx, claim("lonely", time.Minute))
+	if !errors.Is(err, redisstore.ErrTooFewReplicas) {
+		replica.Resume()
+		t.Fatalf("Reserve with MinReplicas raised to 1 and the replica paused: %v, want ErrTooFewReplicas", err)
+	}
+	if err := s.SetMinReplicas(0, 0); err != nil {
+		t.Fatal(err)
+	}
+	// ("lonely" was claimed on the primary; WAIT only fell short.)
+	if r, err := s.Reserve(ctx, claim("after", time.Minute)); err != nil || r.State != store.Won {
+		t.Fatalf("Reserve with MinReplicas lowered to 0 and the replica paused: %v, %v; want won", r.State, err)
+	}
+	replica.Resume()
+}
