@@ -56,6 +56,40 @@ func TestMemoryBounded(t *testing.T) {
 	}
 }
 
+// TestMemoryFullSweepsExpiredFirst: a full store makes room with its
+// expired records before it evicts a live one, though it sweeps at most
+// once a second: a retry of a live record still finds it.
+func TestMemoryFullSweepsExpiredFirst(t *testing.T) {
+	ctx := context.Background()
+	now := time.Date(2026, 12, 2, 10, 0, 0, 0, time.UTC)
+	m := store.NewMemory(3)
+	m.SetClock(func() time.Time { return now })
+	defer func() { _ = m.Close() }()
+	put := func(k string, ttl time.Duration) {
+		t.Helper()
+		c := store.Claim{Key: k, Fingerprint: k, Owner: "o-" + k, Lease: time.Minute, Retention: ttl}
+		if r, err := m.Reserve(ctx, c); err != nil || r.State != store.Won {
+			t.Fatalf("reserve %s = %v, %v", k, r.State, err)
+		}
+		if err := m.Complete(ctx, k, "o-"+k, []byte(k), ttl); err != nil {
+			t.Fatal(err)
+		}
+	}
+	replayed := func(k string) bool {
+		r, err := m.Reserve(ctx, store.Claim{Key: k, Fingerprint: k, Owner: "retry", Lease: time.Minute, Retention: time.Hour})
+		return err == nil && r.State == store.Completed
+	}
+	put("old-live", time.Hour)
+	put("live", time.Hour)
+	put("short", 2*time.Minute)
+	put("full-now", time.Hour) // full: evicts the oldest, old-live
+	now = now.Add(5 * time.Minute)
+	put("later", time.Hour) // short has expired: it goes, not live
+	if !replayed("live") || !replayed("full-now") || !replayed("later") {
+		t.Errorf("a live record was evicted while an expired one was there (live %v, full-now %v, later %v)", replayed("live"), replayed("full-now"), replayed("later"))
+	}
+}
+
 // 300 distinct 1 MB results in a store bounded to 64 MiB: the oldest
 // completed results make room, the memory held stays under the bound, and a
 // pending claim is never evicted to make room.
