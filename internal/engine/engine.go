@@ -221,7 +221,12 @@ func (e *Engine) countUnscoped(p *policy.Policy, r *policy.Rule, tool string) {
 	e.unscoped.Add(1)
 	e.countCall(OutcomeUnscoped, tool)
 	e.unscopedOnce.Do(func() {
-		e.log.Warn("A call with no session and no principal was forwarded without deduplication: two anonymous callers must never share one execution. "+
+		who := "A call with no session and no principal"
+		if r.KeyScope == v1alpha1.ScopePrincipal {
+			// A session does not scope a call under keyScope: Principal.
+			who = "A call with no principal (keyScope: Principal; a session does not scope it)"
+		}
+		e.log.Warn(who+" was forwarded without deduplication: two anonymous callers must never share one execution. "+
 			"Send the "+p.PrincipalHeader+" header (or set principalHeader to a header your gateway sets), or choose keyScope: Global knowingly (an explicit idempotency key needs a principal or a session too); "+
 			"further such calls are only counted in idemcp_tool_calls_total{outcome=\"unscoped\"}",
 			"tool", tool, "keyScope", r.KeyScope)

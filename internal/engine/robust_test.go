@@ -1,10 +1,12 @@
 package engine
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"log/slog"
 	"slices"
 	"strconv"
 	"strings"
@@ -513,4 +515,28 @@ func gauge(g prometheus.Gauge) float64 {
 		panic(err)
 	}
 	return m.GetGauge().GetValue()
+}
+
+// TestUnscopedWarningNamesWhatIsMissing: under keyScope: Principal a call
+// that has a session but no principal is warned of as lacking a
+// principal, not as having "no session and no principal".
+func TestUnscopedWarningNamesWhatIsMissing(t *testing.T) {
+	for _, tc := range []struct {
+		scope, want, not string
+		caller           Caller
+	}{
+		{"Principal", "A call with no principal (keyScope: Principal", "no session and no principal", Caller{Session: "s1"}},
+		{"Session", "A call with no session and no principal", "keyScope: Principal;", Caller{}},
+	} {
+		var buf bytes.Buffer
+		e := New(Options{Policy: mustPolicy(t, `spec: {defaultMode: Deduplicate, keyScope: `+tc.scope+`}`), Store: store.NewMemory(0),
+			Logger: slog.New(slog.NewTextHandler(&buf, nil))})
+		call, _ := ParseToolCall(json.RawMessage(`{"name":"t"}`))
+		if p, err := e.Plan(call, tc.caller); p != nil || err != nil {
+			t.Fatalf("keyScope %s: Plan = %v, %v; want forwarded without deduplication", tc.scope, p, err)
+		}
+		if out := buf.String(); !strings.Contains(out, tc.want) || strings.Contains(out, tc.not) {
+			t.Errorf("keyScope %s: warning %q, want it to say %q and not %q", tc.scope, out, tc.want, tc.not)
+		}
+	}
 }
