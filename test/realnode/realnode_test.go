@@ -260,10 +260,17 @@ func (s *suite) setup(t *testing.T) {
 // returns them.
 func (s *suite) readyPods(t *testing.T, n int) []corev1.Pod {
 	t.Helper()
+	return s.readyPodsOf(t, "pods of "+appName, map[string]string{"app": appName}, n, 4*time.Minute)
+}
+
+// readyPodsOf waits until exactly n pods carry labels, all of them Ready
+// and none terminating, and returns them.
+func (s *suite) readyPodsOf(t *testing.T, what string, labels map[string]string, n int, within time.Duration) []corev1.Pod {
+	t.Helper()
 	var pods []corev1.Pod
-	poll.Within(t, 4*time.Minute, fmt.Sprintf("%d Ready pods of %s", n, appName), func() error {
+	poll.Within(t, within, fmt.Sprintf("%d Ready %s", n, what), func() error {
 		var l corev1.PodList
-		if err := s.k8s.List(s.ctx, &l, client.InNamespace(s.ns), client.MatchingLabels{"app": appName}); err != nil {
+		if err := s.k8s.List(s.ctx, &l, client.InNamespace(s.ns), client.MatchingLabels(labels)); err != nil {
 			return err
 		}
 		pods = pods[:0]
@@ -273,7 +280,7 @@ func (s *suite) readyPods(t *testing.T, n int) []corev1.Pod {
 			}
 		}
 		if len(pods) != n || len(l.Items) != n {
-			return fmt.Errorf("%d of %d pods Ready", len(pods), len(l.Items))
+			return fmt.Errorf("%d of %d %s Ready", len(pods), len(l.Items), what)
 		}
 		return nil
 	})

@@ -140,24 +140,7 @@ func (s *suite) getProxy() (*v1alpha1.IdempotentProxy, error) {
 
 func (s *suite) proxyPods(t *testing.T, n int) []corev1.Pod {
 	t.Helper()
-	var pods []corev1.Pod
-	poll.Within(t, 3*time.Minute, fmt.Sprintf("%d Ready proxy pods", n), func() error {
-		var l corev1.PodList
-		if err := s.k8s.List(s.ctx, &l, client.InNamespace(s.ns), client.MatchingLabels{v1alpha1.LabelProxy: proxyName}); err != nil {
-			return err
-		}
-		pods = pods[:0]
-		for _, p := range l.Items {
-			if p.DeletionTimestamp == nil && podReady(&p) {
-				pods = append(pods, p)
-			}
-		}
-		if len(pods) != n || len(l.Items) != n {
-			return fmt.Errorf("%d of %d proxy pods Ready", len(pods), len(l.Items))
-		}
-		return nil
-	})
-	return pods
+	return s.readyPodsOf(t, "proxy pods", map[string]string{v1alpha1.LabelProxy: proxyName}, n, 3*time.Minute)
 }
 
 func (s *suite) remoteProxy(t *testing.T) {
