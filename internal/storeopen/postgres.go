@@ -73,11 +73,11 @@ func openPostgres(o Options, p *policy.Policy) (store.Store, Info, error) {
 		Prefix:    o.PostgresKeyPrefix,
 	}
 	if o.PostgresPasswordFile != "" {
-		b, err := os.ReadFile(o.PostgresPasswordFile)
+		pw, err := passwordFile("--postgres-password-file", o.PostgresPasswordFile)
 		if err != nil {
-			return nil, Info{}, fmt.Errorf("--postgres-password-file: %w", err)
+			return nil, Info{}, err
 		}
-		po.Password = strings.TrimRight(string(b), "\r\n")
+		po.Password = pw
 	}
 	if po.Prefix == "" {
 		po.Prefix = defaultPrefix(o, p)

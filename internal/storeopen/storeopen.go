@@ -186,17 +186,25 @@ func redisOptions(o Options, p *policy.Policy) (redisstore.Options, error) {
 		ro.Password = pw
 	}
 	if o.RedisPasswordFile != "" {
-		b, err := os.ReadFile(o.RedisPasswordFile)
-		if err != nil {
-			return ro, fmt.Errorf("--redis-password-file: %w", err)
+		if ro.Password, err = passwordFile("--redis-password-file", o.RedisPasswordFile); err != nil {
+			return ro, err
 		}
-		ro.Password = strings.TrimRight(string(b), "\r\n")
 	}
 	ro.Prefix = o.RedisKeyPrefix
 	if ro.Prefix == "" {
 		ro.Prefix = defaultPrefix(o, p)
 	}
 	return ro, nil
+}
+
+// passwordFile reads the password in the file a flag names, without the
+// line end an editor or echo leaves.
+func passwordFile(flag, path string) (string, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return "", fmt.Errorf("%s: %w", flag, err)
+	}
+	return strings.TrimRight(string(b), "\r\n"), nil
 }
 
 // defaultPrefix keeps apart, in a shared store, the records of different
