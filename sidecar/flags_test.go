@@ -81,3 +81,24 @@ func TestRetryWindowFlag(t *testing.T) {
 		}
 	}
 }
+
+func TestStoreFlagsReadConventionalEnv(t *testing.T) {
+	t.Setenv("REDIS_URL", "redis://r:6379")
+	t.Setenv("DATABASE_URL", "postgres://db/app")
+	var so Options
+	if err := NewFlagSet(&so).Parse(nil); err != nil {
+		t.Fatal(err)
+	}
+	o := so.Store
+	if o.RedisURL != "redis://r:6379" || o.PostgresURL != "postgres://db/app" {
+		t.Fatalf("REDIS_URL/DATABASE_URL not read: %+v", o)
+	}
+	t.Setenv("IDEMCP_POSTGRES_URL", "postgres://mine/app")
+	so = Options{}
+	if err := NewFlagSet(&so).Parse(nil); err != nil {
+		t.Fatal(err)
+	}
+	if o = so.Store; o.PostgresURL != "postgres://mine/app" {
+		t.Fatalf("IDEMCP_POSTGRES_URL does not win over DATABASE_URL: %q", o.PostgresURL)
+	}
+}

@@ -13,6 +13,8 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
+
+	"github.com/idemcp/idemcp/internal/storeopen"
 )
 
 // value reads a counter or a gauge.
@@ -175,7 +177,7 @@ func TestLimitConnHalfCloses(t *testing.T) {
 // some, users): /readyz says whether the store answers, not why not.
 func TestReadyzDoesNotShowTheStoreError(t *testing.T) {
 	s, err := New(Options{Upstream: "http://127.0.0.1:1", LogLevel: "error",
-		Store: StoreOptions{Kind: "redis", RedisAddrs: "127.0.0.1:1", RedisKeyPrefix: "idemcp:t:"}})
+		Store: storeopen.Options{Kind: "redis", RedisAddrs: "127.0.0.1:1", RedisKeyPrefix: "idemcp:t:"}})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -5,12 +5,13 @@ import (
 	"testing"
 
 	"github.com/idemcp/idemcp/internal/metricsdoc"
+	"github.com/idemcp/idemcp/internal/storeopen"
 )
 
 // TestMetricsDoc checks that docs/metrics.md lists every metric the
 // sidecar serves on /metrics, and nothing it does not.
 func TestMetricsDoc(t *testing.T) {
-	s, err := New(Options{Upstream: "http://127.0.0.1:1", LogLevel: "info", Store: StoreOptions{Kind: "memory"}})
+	s, err := New(Options{Upstream: "http://127.0.0.1:1", LogLevel: "info", Store: storeopen.Options{Kind: "memory"}})
 	if err != nil {
 		t.Fatal(err)
 	}

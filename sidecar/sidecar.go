@@ -5,8 +5,6 @@ package sidecar
 
 import (
 	"context"
-	"crypto/sha256"
-	"encoding/hex"
 	"errors"
 	"flag"
 	"fmt"
@@ -23,13 +21,12 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
-	"github.com/redis/go-redis/v9"
 
 	"github.com/idemcp/idemcp/internal/cli"
 	"github.com/idemcp/idemcp/internal/engine"
 	"github.com/idemcp/idemcp/internal/policy"
 	"github.com/idemcp/idemcp/internal/store"
-	redisstore "github.com/idemcp/idemcp/internal/store/redis"
+	"github.com/idemcp/idemcp/internal/storeopen"
 	"github.com/idemcp/idemcp/internal/tracing"
 	"github.com/idemcp/idemcp/sidecar/httpproxy"
 	"github.com/idemcp/idemcp/sidecar/policysync"
@@ -68,7 +65,7 @@ type Options struct {
 	AdminListen      string
 	MaxBodyBytes     int64
 	MaxResponseBytes int64
-	Store            StoreOptions
+	Store            storeopen.Options
 	ShutdownTimeout  time.Duration
 	LogLevel         string
 	// Tracing exports a span for every tools/call, whatever the policy's
@@ -123,73 +120,6 @@ func maxConnections(n int) int {
 // connection.
 const DefaultMaxConnections = 20000
 
-// StoreOptions choose and reach the store; `idemcp sidecar` and
-// `idemcp wrap` share them.
-type StoreOptions struct {
-	// Kind overrides the policy's store.type: "memory", "redis" or "postgres".
-	Kind             string
-	MemoryMaxEntries int
-	MemoryMaxBytes   int64
-	// RedisAddrs, RedisSentinelMaster and RedisTLS override
-	// store.redis.external of the policy.
-	RedisAddrs          string
-	RedisSentinelMaster string
-	RedisTLS            bool
-	// RedisPasswordFile holds the Redis password; without it the password
-	// comes from IDEMCP_REDIS_PASSWORD (a secretKeyRef env var in a pod).
-	RedisPasswordFile string
-	RedisKeyPrefix    string
-	// RedisMinReplicas makes every claim and stored result wait until this
-	// many replicas acknowledge it (Redis WAIT), for RedisReplicaTimeout.
-	RedisMinReplicas    int
-	RedisReplicaTimeout time.Duration
-	// Upstream names the MCP server (its URL, or the command `wrap` runs).
-	// Without --redis-key-prefix, the key prefix names it: a policy's key
-	// space belongs to one MCP server, and two servers that share a Redis
-	// must never replay each other's results. Not a flag: set by the
-	// command.
-	Upstream string
-	// RedisURL is a redis:// or rediss:// URL (the REDIS_URL convention);
-	// --redis-addr and the password flags override its parts.
-	RedisURL string
-	// PostgresURL, PostgresPasswordFile, PostgresListenURL and
-	// PostgresKeyPrefix configure the PostgreSQL store (see postgres.go).
-	PostgresURL          string
-	PostgresPasswordFile string
-	PostgresListenURL    string
-	PostgresKeyPrefix    string
-	// SealKeysFile holds the seal keyring; without it the keyring comes
-	// from IDEMCP_SEAL_KEYS (a secretKeyRef env var in a pod). See seal.go.
-	SealKeysFile string
-	// SealOpenFailures counts stored results that failed to open, by
-	// reason (nil: not counted). Not a flag: set by the command.
-	SealOpenFailures *prometheus.CounterVec
-}
-
-// Flags registers the store flags on fs; BindEnv gives each its
-// IDEMCP_* variable.
-func (o *StoreOptions) Flags(fs *flag.FlagSet) {
-	fs.Var(cli.Choice(&o.Kind, "", "memory", "redis", "postgres"), "store", "memory, redis or postgres (default: the policy's spec.store.type)")
-	fs.IntVar(&o.MemoryMaxEntries, "memory-max-entries", store.DefaultMaxEntries, "most records the memory store holds")
-	fs.Int64Var(&o.MemoryMaxBytes, "memory-store-max-bytes", store.DefaultMaxBytes, "most bytes the memory store's records take; the oldest completed results of the principal holding the most make room")
-	fs.StringVar(&o.RedisAddrs, "redis-addr", "", "Redis host:port, comma-separated for Cluster seeds or Sentinels (default: the policy's store.redis.external.addresses)")
-	fs.StringVar(&o.RedisSentinelMaster, "redis-sentinel-master", "", "master name when --redis-addr lists Sentinels")
-	fs.BoolVar(&o.RedisTLS, "redis-tls", false, "connect to Redis with TLS")
-	fs.StringVar(&o.RedisPasswordFile, "redis-password-file", "", "file holding the Redis password (default: $IDEMCP_REDIS_PASSWORD)")
-	fs.StringVar(&o.RedisKeyPrefix, "redis-key-prefix", "", "prefix of every Redis key; the sidecars of one MCP server share it (default: idemcp:NAMESPACE/POLICY: plus a hash of the upstream)")
-	fs.IntVar(&o.RedisMinReplicas, "redis-min-replicas", 0, "make every claim, renewal and stored result wait until this many Redis replicas have it (WAIT); fewer in time is a store failure, and onStoreUnavailable decides (0: do not wait). The policy's store.redis.external.minReplicas applies when it is higher")
-	fs.DurationVar(&o.RedisReplicaTimeout, "redis-min-replicas-timeout", redisstore.DefaultReplicaTimeout, "how long a write waits for --redis-min-replicas")
-	o.extraFlags(fs)
-	o.sealFlags(fs)
-}
-
-// BindEnv binds the store flags to the variables of other tools' conventions
-// (REDIS_URL, DATABASE_URL), read when the IDEMCP_* ones are not set.
-func (o *StoreOptions) BindEnv(s *cli.Set) {
-	s.AlsoEnv("redis-url", "REDIS_URL")
-	s.AlsoEnv("postgres-url", "DATABASE_URL")
-}
-
 // Flags registers the options on fs.
 func (o *Options) Flags(fs *flag.FlagSet) {
 	fs.StringVar(&o.Listen, "listen", ":8081", "address the proxy listens on")
@@ -200,7 +130,7 @@ func (o *Options) Flags(fs *flag.FlagSet) {
 	fs.StringVar(&o.KeySpace, "key-space", "", "the MCP server the keys belong to, part of every key: the webhook sets the pod's workload (Deployment/NAME), or the idemcp.io/key-space annotation's value, so that two workloads under one policy never replay each other's results (empty: keys of no workload; run by hand, the store's key prefix names the upstream instead)")
 	fs.StringVar(&o.PolicyFile, "policy-file", "", "an IdempotencyPolicy YAML file; only its spec is used (default: Memory store, Session scope, Auto, 24h TTL, 10m retry window)")
 	fs.StringVar(&o.Policy, "policy", "", "an inline IdempotencyPolicy manifest (YAML or JSON), as the webhook injects it; exclusive with --policy-file")
-	fs.DurationVar(&o.RetryWindow, "retry-window", 0, RetryWindowFlag)
+	fs.DurationVar(&o.RetryWindow, "retry-window", 0, policy.RetryWindowFlag)
 	fs.StringVar(&o.AdminListen, "admin-listen", DefaultAdminListen, "address of /healthz, /readyz and /metrics (empty: off); the webhook sets the pod's admin port")
 	fs.Int64Var(&o.MaxBodyBytes, "max-body-bytes", httpproxy.DefaultMaxBodyBytes, "largest request body accepted")
 	fs.Int64Var(&o.MaxResponseBytes, "max-response-bytes", httpproxy.DefaultMaxResponseBytes, "largest response message of a deduplicated call that is relayed")
@@ -209,20 +139,7 @@ func (o *Options) Flags(fs *flag.FlagSet) {
 	o.Limits.Flags(fs)
 	fs.DurationVar(&o.ShutdownTimeout, "shutdown-timeout", 30*time.Second, "how long to wait for calls in flight when stopping")
 	fs.Var(cli.Choice(&o.LogLevel, "info", "debug", "info", "warn", "error"), "log-level", "debug, info, warn or error")
-	fs.BoolVar(&o.Tracing, "tracing", false, TracingFlag)
-}
-
-// TracingFlag is the help of --tracing, for sidecar and wrap.
-const TracingFlag = "export an OpenTelemetry span for every tools/call, configured by the OTEL_* environment variables (default: only under a policy with spec.tracing.enabled)"
-
-// NewTracing returns the engine's tracing for --tracing: spans go to a
-// provider made from the OTEL_* environment the first time a call is
-// traced, and lazy.Shutdown flushes them.
-func NewTracing(on bool, service string, log *slog.Logger) (engine.Tracing, *tracing.Lazy) {
-	lazy := tracing.NewLazy(service, func(err error) {
-		log.Error("Tracing is turned on but its exporter cannot be made; no spans are exported", "err", err)
-	})
-	return engine.Tracing{Provider: lazy.Provider, On: on}, lazy
+	fs.BoolVar(&o.Tracing, "tracing", false, engine.TracingFlag)
 }
 
 // DefaultAdminListen is loopback: run by hand, the metrics and probes are
@@ -268,7 +185,7 @@ type Sidecar struct {
 	log       *slog.Logger
 	engine    *engine.Engine
 	store     store.Store
-	storeInfo StoreInfo
+	storeInfo storeopen.Info
 	proxy     *httpproxy.Proxy
 	handler   http.Handler
 	lister    *toollist.Lister
@@ -311,14 +228,14 @@ func New(o Options) (*Sidecar, error) {
 	if o.UpstreamHostHeader == HostHeaderUpstream {
 		outHost = up.Host
 	}
-	pol, err := LoadPolicy(o.PolicyFile, o.Policy)
+	pol, err := policy.Load(o.PolicyFile, o.Policy)
 	if err != nil {
 		return nil, err
 	}
 	if o.RetryWindow != 0 && o.Push.Endpoint != "" {
 		return nil, errors.New("--retry-window is for a sidecar without a manager; with --policy-endpoint set spec.retryWindow in the IdempotencyPolicy instead")
 	}
-	if pol, err = WithRetryWindow(pol, o.RetryWindow); err != nil {
+	if pol, err = policy.WithRetryWindow(pol, o.RetryWindow); err != nil {
 		return nil, err
 	}
 	if o.Store.Upstream == "" {
@@ -327,14 +244,14 @@ func New(o Options) (*Sidecar, error) {
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	if o.Store.SealOpenFailures == nil {
-		o.Store.SealOpenFailures = NewSealMetrics(reg)
+		o.Store.SealOpenFailures = storeopen.NewSealMetrics(reg)
 	}
-	st, info, err := OpenStore(o.Store, pol, log)
+	st, info, err := storeopen.Open(o.Store, pol, log)
 	if err != nil {
 		return nil, err
 	}
-	st = store.Timed(st, newStoreDuration(reg))
-	tr, spans := NewTracing(o.Tracing, "idemcp-sidecar", log)
+	st = store.Timed(st, storeopen.NewDurationMetrics(reg))
+	tr, spans := engine.NewTracing(o.Tracing, "idemcp-sidecar", log)
 	eng := engine.New(engine.Options{Policy: pol, Store: st, Metrics: engine.NewMetrics(reg), Logger: log, KeySpace: o.KeySpace, Tracing: tr,
 		MaxWaitersPerKey: o.Limits.MaxWaitersPerKey, MaxWaitersPerPrincipal: o.Limits.MaxWaitersPerPrincipal,
 		MaxRunningPerPrincipal: o.Limits.MaxRunningPerPrincipal, MaxRunning: o.Limits.MaxRunning,
@@ -400,136 +317,6 @@ func parseDialIPs(v string) ([]netip.Addr, error) {
 		ips = append(ips, ip)
 	}
 	return ips, nil
-}
-
-// OpenStore opens the store the options and the policy ask for, sealed
-// when a seal keyring is given (see seal.go), and says which one it is,
-// for the startup log.
-func OpenStore(o StoreOptions, p *policy.Policy, log *slog.Logger) (store.Store, StoreInfo, error) {
-	ring, err := sealKeyring(o)
-	if err != nil {
-		return nil, StoreInfo{}, err
-	}
-	st, info, err := openStore(o, p, log)
-	if err != nil {
-		return nil, StoreInfo{}, err
-	}
-	prefix := info.KeyPrefix
-	if info.Kind == "Memory" {
-		prefix = "memory:"
-	}
-	return sealStore(st, ring, prefix, o, log), info, nil
-}
-
-func openStore(o StoreOptions, p *policy.Policy, log *slog.Logger) (store.Store, StoreInfo, error) {
-	kind := strings.ToLower(o.Kind)
-	if kind == "" {
-		kind = strings.ToLower(string(p.Spec.Store.Type))
-	}
-	switch kind {
-	case "memory":
-		return store.NewMemorySized(o.MemoryMaxEntries, o.MemoryMaxBytes), StoreInfo{Kind: "Memory"}, nil
-	case "redis":
-		ro, err := redisOptions(o, p)
-		if err != nil {
-			return nil, StoreInfo{}, err
-		}
-		redis.SetLogger(redisLogger{log})
-		info := redisInfo(ro)
-		st, err := redisstore.New(ro)
-		if err != nil {
-			return nil, StoreInfo{}, err
-		}
-		info.KeyPrefix = st.KeyPrefix() // what seals bind to
-		return st, info, nil
-	case "postgres":
-		return openPostgres(o, p)
-	default:
-		return nil, StoreInfo{}, fmt.Errorf("--store: %q is not one of memory, redis, postgres", kind)
-	}
-}
-
-// redisOptions merges the flags over the policy's store.redis.external.
-// Secrets never come from the policy: the password is a file or an env var.
-func redisOptions(o StoreOptions, p *policy.Policy) (redisstore.Options, error) {
-	ro, err := redisURLOptions(o.RedisURL)
-	if err != nil {
-		return ro, err
-	}
-	if o.RedisMinReplicas < 0 {
-		return ro, fmt.Errorf("--redis-min-replicas %d: want a whole number of replicas, 0 or more", o.RedisMinReplicas)
-	}
-	if o.RedisReplicaTimeout < 0 {
-		return ro, fmt.Errorf("--redis-min-replicas-timeout %v: want a positive duration such as 500ms or 2s", o.RedisReplicaTimeout)
-	}
-	ro.MinReplicas, ro.ReplicaTimeout = o.RedisMinReplicas, o.RedisReplicaTimeout
-	if r := p.Spec.Store.Redis; r != nil && r.External != nil {
-		if len(ro.Addrs) == 0 {
-			ro.Addrs = r.External.Addresses
-			ro.SentinelMaster = r.External.SentinelMaster
-			ro.TLS = r.External.TLS
-		}
-		// The flag may raise the policy's guarantee, never lower it.
-		if n := int(r.External.MinReplicas); n > ro.MinReplicas {
-			ro.MinReplicas = n
-			if t := r.External.MinReplicasTimeout; t != nil && t.Duration > 0 {
-				ro.ReplicaTimeout = t.Duration
-			}
-		}
-	}
-	if o.RedisAddrs != "" {
-		ro.Addrs = nil
-		for _, a := range strings.Split(o.RedisAddrs, ",") {
-			if a = strings.TrimSpace(a); a != "" {
-				ro.Addrs = append(ro.Addrs, a)
-			}
-		}
-	}
-	if len(ro.Addrs) == 0 {
-		return ro, errors.New("--redis-addr: the Redis store needs an address (host:port); set --redis-addr, --redis-url (REDIS_URL) or the policy's store.redis.external.addresses")
-	}
-	if o.RedisSentinelMaster != "" {
-		ro.SentinelMaster = o.RedisSentinelMaster
-	}
-	ro.TLS = ro.TLS || o.RedisTLS
-	if pw := os.Getenv("IDEMCP_REDIS_PASSWORD"); pw != "" {
-		ro.Password = pw
-	}
-	if o.RedisPasswordFile != "" {
-		b, err := os.ReadFile(o.RedisPasswordFile)
-		if err != nil {
-			return ro, fmt.Errorf("--redis-password-file: %w", err)
-		}
-		ro.Password = strings.TrimRight(string(b), "\r\n")
-	}
-	ro.Prefix = o.RedisKeyPrefix
-	if ro.Prefix == "" {
-		ro.Prefix = defaultPrefix(o, p)
-	}
-	return ro, nil
-}
-
-// defaultPrefix keeps apart, in a shared store, the records of different
-// policies and, when run by hand, of different MCP servers: a policy's key
-// space belongs to one MCP server, and two servers must never replay each
-// other's results.
-func defaultPrefix(o StoreOptions, p *policy.Policy) string {
-	prefix := policy.RedisKeyPrefix(p.Namespace, p.Name)
-	if o.Upstream != "" {
-		// A hash, not the URL or command itself: those may hold
-		// credentials, and the store's operator reads key names.
-		h := sha256.Sum256([]byte(o.Upstream))
-		prefix += "up-" + hex.EncodeToString(h[:8]) + ":"
-	}
-	return prefix
-}
-
-// redisLogger sends go-redis's own messages (reconnects, Sentinel
-// lookups) to the sidecar's log at debug level.
-type redisLogger struct{ log *slog.Logger }
-
-func (l redisLogger) Printf(ctx context.Context, format string, v ...any) {
-	l.log.DebugContext(ctx, "redis: "+fmt.Sprintf(format, v...))
 }
 
 // Engine returns the sidecar's engine.
@@ -609,7 +396,7 @@ func (s *Sidecar) Run(ctx context.Context) error {
 	pol := s.engine.Policy()
 	s.log.Info("Sidecar listening", append([]any{"listen", ln.Addr().String(), "admin", admin, "upstream", s.opts.Upstream,
 		"upstreamDialIPs", s.opts.UpstreamDialIPs, "policy", pol.Hash}, s.storeInfo.LogAttrs()...)...)
-	go CheckStore(ctx, s.store, s.storeInfo, pol, s.log)
+	go storeopen.Check(ctx, s.store, s.storeInfo, pol, s.log)
 	pushCtx, stopPush := context.WithCancel(ctx)
 	defer stopPush()
 	if err := s.startPush(pushCtx); err != nil {

@@ -3,6 +3,7 @@ package engine
 import (
 	"context"
 	"encoding/json"
+	"log/slog"
 	"strconv"
 
 	"go.opentelemetry.io/otel/attribute"
@@ -27,6 +28,19 @@ type Tracing struct {
 	// On traces every call; otherwise only those of a policy with
 	// spec.tracing.enabled.
 	On bool
+}
+
+// TracingFlag is the help of --tracing, for sidecar and wrap.
+const TracingFlag = "export an OpenTelemetry span for every tools/call, configured by the OTEL_* environment variables (default: only under a policy with spec.tracing.enabled)"
+
+// NewTracing returns the engine's tracing for --tracing: spans go to a
+// provider made from the OTEL_* environment the first time a call is
+// traced, and lazy.Shutdown flushes them.
+func NewTracing(on bool, service string, log *slog.Logger) (Tracing, *tracing.Lazy) {
+	lazy := tracing.NewLazy(service, func(err error) {
+		log.Error("Tracing is turned on but its exporter cannot be made; no spans are exported", "err", err)
+	})
+	return Tracing{Provider: lazy.Provider, On: on}, lazy
 }
 
 // tracer is the tracer for a call under p, or nil when it is not traced.

@@ -173,31 +173,46 @@ func (p *Proxy) forwardDedup(ctx context.Context, in *http.Request, body []byte,
 	encodings := h.Values("Content-Encoding")
 	mt, _, _ := mime.ParseMediaType(h.Get("Content-Type"))
 	removeHopHeaders(h)
-	up := engine.Upstream{Status: resp.StatusCode}
 	rb := &readTracker{r: resp.Body}
 	if resp.StatusCode < 200 || resp.StatusCode > 299 || mt != "text/event-stream" {
-		defer drainAndClose(resp.Body)
-		s.header(resp.StatusCode, h)
-		// Relay as it comes; keep a copy up to --max-response-bytes.
-		keep := &capped{limit: p.opts.MaxResponseBytes}
-		n, err := io.Copy(io.MultiWriter(s, keep), rb)
-		if err != nil {
-			s.abort()
-			return engine.Upstream{}, fmt.Errorf("reading the MCP server's response: %w", err)
-		}
-		if !keep.over && len(keep.buf) > 0 && len(encodings) > 0 {
-			// Relayed as the server sent it; read decoded.
-			keep.buf, keep.over = decodeAll(keep.buf, encodings, p.opts.MaxResponseBytes)
-		}
-		switch {
-		case keep.over:
-			up.TooLarge, up.Size = true, n
-		case up.Status >= 200 && up.Status <= 299 && isResponseTo(keep.buf, id):
-			// A response to another id is not this call's outcome.
-			up.Response, up.Valid = keep.buf, true
-		}
-		return up, nil
+		return p.relayJSON(resp, rb, encodings, id, s)
 	}
+	return p.relaySSE(in, resp, rb, encodings, id, s, lease)
+}
+
+// relayJSON relays a response that is one body (a JSON response, or
+// whatever an error status carries) and returns it as the call's outcome
+// when it is the response to id.
+func (p *Proxy) relayJSON(resp *http.Response, rb *readTracker, encodings []string, id json.RawMessage, s *sink) (engine.Upstream, error) {
+	up := engine.Upstream{Status: resp.StatusCode}
+	defer drainAndClose(resp.Body)
+	s.header(resp.StatusCode, resp.Header)
+	// Relay as it comes; keep a copy up to --max-response-bytes.
+	keep := &capped{limit: p.opts.MaxResponseBytes}
+	n, err := io.Copy(io.MultiWriter(s, keep), rb)
+	if err != nil {
+		s.abort()
+		return engine.Upstream{}, fmt.Errorf("reading the MCP server's response: %w", err)
+	}
+	if !keep.over && len(keep.buf) > 0 && len(encodings) > 0 {
+		// Relayed as the server sent it; read decoded.
+		keep.buf, keep.over = decodeAll(keep.buf, encodings, p.opts.MaxResponseBytes)
+	}
+	switch {
+	case keep.over:
+		up.TooLarge, up.Size = true, n
+	case up.Status >= 200 && up.Status <= 299 && isResponseTo(keep.buf, id):
+		// A response to another id is not this call's outcome.
+		up.Response, up.Valid = keep.buf, true
+	}
+	return up, nil
+}
+
+// relaySSE relays an event stream event by event until the response to id
+// passes, and returns it; the rest of the stream is the sink's to relay.
+func (p *Proxy) relaySSE(in *http.Request, resp *http.Response, rb *readTracker, encodings []string, id json.RawMessage, s *sink, lease time.Duration) (engine.Upstream, error) {
+	h := resp.Header
+	up := engine.Upstream{Status: resp.StatusCode}
 	var c *pendingCall // set once the stream carried an event id
 	events, err := decodeBody(rb, encodings)
 	if err != nil {

@@ -295,30 +295,10 @@ func (s *legacySession) claim(id json.RawMessage) (chan legacyResponse, bool) {
 	return ch, listed
 }
 
-// serveLegacy takes the requests that may belong to legacy sessions: GETs
-// that ask for an event stream without a Streamable HTTP session, and
-// POSTs to a legacy session's endpoint. It reports whether it served r.
-func (p *Proxy) serveLegacy(w http.ResponseWriter, r *http.Request) bool {
-	switch r.Method {
-	case http.MethodGet:
-		if r.Header.Get(HeaderSessionID) != "" || !acceptsEventStream(r.Header.Values("Accept")) {
-			return false
-		}
-		p.serveEventStream(w, r)
-		return true
-	case http.MethodPost:
-		s, shared := p.legacy.lookup(r.URL)
-		if s == nil {
-			return false
-		}
-		if shared {
-			p.serveSharedEndpointPost(w, r)
-			return true
-		}
-		p.serveLegacyPost(w, r, s)
-		return true
-	}
-	return false
+// isLegacyStream says whether a GET may open a legacy session: it asks for
+// an event stream without a Streamable HTTP session.
+func isLegacyStream(r *http.Request) bool {
+	return r.Header.Get(HeaderSessionID) == "" && acceptsEventStream(r.Header.Values("Accept"))
 }
 
 func acceptsEventStream(accept []string) bool {

@@ -16,19 +16,22 @@ import (
 	"github.com/idemcp/idemcp/internal/mcpmsg"
 )
 
-// ServeHTTP implements http.Handler.
+// ServeHTTP implements http.Handler. It routes each request once, by its
+// method, then by what the proxy knows of it:
+//
+//	GET      resuming a pending call's stream    serveResumedStream (resume.go)
+//	         an event stream with no session     serveEventStream (legacy.go; a legacy SSE session if its first event is an endpoint)
+//	         any other (Streamable GET stream)   forwarded untouched
+//	POST     to a legacy session's endpoint      serveLegacyPost, or serveSharedEndpointPost (legacy.go)
+//	         any other                           serveStreamablePost (below; tools/call goes on to dedup.go)
+//	DELETE   the end of a session                serveDelete (holds.go: it waits for the session's calls)
+//	OPTIONS  a CORS preflight                    forwarded untouched
+//	other    not MCP                             405, not forwarded
 func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	switch r.Method {
 	case http.MethodGet, http.MethodPost, http.MethodDelete, http.MethodOptions:
 	default:
-		// Nothing else is an MCP request, and none is forwarded: CONNECT
-		// would ask the server for a tunnel, TRACE would echo the
-		// caller's headers back, and a server's router may treat PUT or
-		// HEAD like POST or GET behind the dedup's back.
-		w.Header().Set("Allow", allowedMethods)
-		w.Header().Set("Connection", "close")
-		writeError(w, r, http.StatusMethodNotAllowed, nil, mcpmsg.CodeInvalidRequest,
-			fmt.Sprintf("method %s is not used by MCP; the idemcp sidecar takes %s", r.Method, allowedMethods))
+		refuseMethod(w, r)
 		return
 	}
 	release, ok := p.admit(w, r)
@@ -36,23 +39,57 @@ func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	defer release()
-	if r.Method == http.MethodGet {
-		if calls := p.resumes.match(r.Header.Get(HeaderSessionID), r.Header.Get(headerLastEventID)); len(calls) > 0 {
-			p.serveResumedStream(w, r, calls)
+	switch r.Method {
+	case http.MethodGet:
+		p.serveGet(w, r)
+	case http.MethodPost:
+		p.servePost(w, r)
+	case http.MethodDelete:
+		p.serveDelete(w, r)
+	default:
+		p.rp.ServeHTTP(w, r) // OPTIONS: only the MCP server can answer it
+	}
+}
+
+// refuseMethod answers a method MCP does not use; none is forwarded:
+// CONNECT would ask the server for a tunnel, TRACE would echo the
+// caller's headers back, and a server's router may treat PUT or HEAD like
+// POST or GET behind the dedup's back.
+func refuseMethod(w http.ResponseWriter, r *http.Request) {
+	w.Header().Set("Allow", allowedMethods)
+	w.Header().Set("Connection", "close")
+	writeError(w, r, http.StatusMethodNotAllowed, nil, mcpmsg.CodeInvalidRequest,
+		fmt.Sprintf("method %s is not used by MCP; the idemcp sidecar takes %s", r.Method, allowedMethods))
+}
+
+func (p *Proxy) serveGet(w http.ResponseWriter, r *http.Request) {
+	if calls := p.resumes.match(r.Header.Get(HeaderSessionID), r.Header.Get(headerLastEventID)); len(calls) > 0 {
+		p.serveResumedStream(w, r, calls)
+		return
+	}
+	if isLegacyStream(r) {
+		p.serveEventStream(w, r)
+		return
+	}
+	p.rp.ServeHTTP(w, r) // a Streamable HTTP GET stream: untouched
+}
+
+func (p *Proxy) servePost(w http.ResponseWriter, r *http.Request) {
+	if s, shared := p.legacy.lookup(r.URL); s != nil {
+		if shared {
+			p.serveSharedEndpointPost(w, r)
 			return
 		}
-	}
-	if p.serveLegacy(w, r) {
+		p.serveLegacyPost(w, r, s)
 		return
 	}
-	if r.Method == http.MethodDelete {
-		p.serveDelete(w, r)
-		return
-	}
-	if r.Method != http.MethodPost {
-		p.rp.ServeHTTP(w, r) // GET streams, OPTIONS: untouched
-		return
-	}
+	p.serveStreamablePost(w, r)
+}
+
+// serveStreamablePost serves a Streamable HTTP POST: one message (or a
+// batch), classified by its Mcp-Method header when it has one, else by
+// its body. A tools/call goes on to the dedup path (dedup.go).
+func (p *Proxy) serveStreamablePost(w http.ResponseWriter, r *http.Request) {
 	// A server may answer before it has read the whole request (an SSE
 	// stream starts at once); without full duplex, Go's HTTP/1 server
 	// would close the request body under the proxy and cut the response.

@@ -25,9 +25,10 @@ import (
 
 	"github.com/idemcp/idemcp/internal/cli"
 	"github.com/idemcp/idemcp/internal/engine"
+	"github.com/idemcp/idemcp/internal/policy"
 	"github.com/idemcp/idemcp/internal/store"
+	"github.com/idemcp/idemcp/internal/storeopen"
 	"github.com/idemcp/idemcp/internal/tracing"
-	"github.com/idemcp/idemcp/sidecar"
 	"github.com/idemcp/idemcp/sidecar/toollist"
 )
 
@@ -51,7 +52,7 @@ type Options struct {
 	Policy string
 	// RetryWindow, when not 0, overrides the policy's spec.retryWindow.
 	RetryWindow time.Duration
-	Store       sidecar.StoreOptions
+	Store       storeopen.Options
 	// MaxLineBytes bounds one message from the client.
 	MaxLineBytes int
 	// MaxResponseBytes bounds one message from the server.
@@ -60,7 +61,7 @@ type Options struct {
 	// to finish once the client has hung up.
 	ShutdownTimeout time.Duration
 	LogLevel        string
-	// Tracing exports a span for every tools/call (sidecar.TracingFlag).
+	// Tracing exports a span for every tools/call (engine.TracingFlag).
 	Tracing bool
 }
 
@@ -68,13 +69,13 @@ type Options struct {
 func (o *Options) Flags(fs *flag.FlagSet) {
 	fs.StringVar(&o.PolicyFile, "policy-file", "", "an IdempotencyPolicy YAML file; only its spec is used (default: Memory store, Session scope, Auto, 24h TTL, 10m retry window)")
 	fs.StringVar(&o.Policy, "policy", "", "an inline IdempotencyPolicy manifest (YAML or JSON); exclusive with --policy-file")
-	fs.DurationVar(&o.RetryWindow, "retry-window", 0, sidecar.RetryWindowFlag)
+	fs.DurationVar(&o.RetryWindow, "retry-window", 0, policy.RetryWindowFlag)
 	o.Store.Flags(fs)
 	fs.IntVar(&o.MaxLineBytes, "max-line-bytes", DefaultMaxLineBytes, "largest message accepted from the client")
 	fs.IntVar(&o.MaxResponseBytes, "max-response-bytes", DefaultMaxResponseBytes, "largest message relayed from the MCP server")
 	fs.DurationVar(&o.ShutdownTimeout, "shutdown-timeout", DefaultShutdownTimeout, "how long deduplicated calls in flight may take to finish after the client hangs up")
 	fs.Var(cli.Choice(&o.LogLevel, "info", "debug", "info", "warn", "error"), "log-level", "debug, info, warn or error")
-	fs.BoolVar(&o.Tracing, "tracing", false, sidecar.TracingFlag)
+	fs.BoolVar(&o.Tracing, "tracing", false, engine.TracingFlag)
 }
 
 const intro = `Usage: idemcp wrap [flags] -- CMD [ARGS...]
@@ -131,7 +132,7 @@ func (e ExitError) ExitCode() int { return e.Code }
 type Wrapper struct {
 	opts      Options
 	spans     *tracing.Lazy
-	storeInfo sidecar.StoreInfo
+	storeInfo storeopen.Info
 	argv      []string
 	log       *slog.Logger
 	engine    *engine.Engine
@@ -205,24 +206,24 @@ func New(o Options, argv []string, stdin io.Reader, stdout, stderr io.Writer) (*
 		o.ShutdownTimeout = DefaultShutdownTimeout
 	}
 	log := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: level})).With("component", "idemcp-wrap")
-	pol, err := sidecar.LoadPolicy(o.PolicyFile, o.Policy)
+	pol, err := policy.Load(o.PolicyFile, o.Policy)
 	if err != nil {
 		return nil, err
 	}
-	if pol, err = sidecar.WithRetryWindow(pol, o.RetryWindow); err != nil {
+	if pol, err = policy.WithRetryWindow(pol, o.RetryWindow); err != nil {
 		return nil, err
 	}
 	if o.Store.Upstream == "" {
 		// The command names the server: its key space is its own.
 		o.Store.Upstream = "wrap\x00" + strings.Join(argv, "\x00")
 	}
-	st, info, err := sidecar.OpenStore(o.Store, pol, log)
+	st, info, err := storeopen.Open(o.Store, pol, log)
 	if err != nil {
 		return nil, err
 	}
 	var run [16]byte
 	_, _ = rand.Read(run[:])
-	tr, spans := sidecar.NewTracing(o.Tracing, "idemcp-wrap", log)
+	tr, spans := engine.NewTracing(o.Tracing, "idemcp-wrap", log)
 	eng := engine.New(engine.Options{Policy: pol, Store: st, Logger: log, Tracing: tr})
 	w := &Wrapper{
 		spans:     spans,
@@ -371,7 +372,7 @@ func (w *Wrapper) start() error {
 	// Only the program: servers often take tokens as arguments.
 	w.log.Info("Wrapping an MCP server", append([]any{"command", w.argv[0], "pid", w.cmd.Process.Pid,
 		"policy", w.engine.Policy().Hash}, w.storeInfo.LogAttrs()...)...)
-	go sidecar.CheckStore(w.base, w.store, w.storeInfo, w.engine.Policy(), w.log)
+	go storeopen.Check(w.base, w.store, w.storeInfo, w.engine.Policy(), w.log)
 	return nil
 }
 

@@ -19,6 +19,7 @@ import (
 	"time"
 
 	"github.com/idemcp/idemcp/internal/store"
+	"github.com/idemcp/idemcp/internal/storeopen"
 	"github.com/idemcp/idemcp/sidecar"
 	"github.com/idemcp/idemcp/test/mcpserver"
 )
@@ -199,7 +200,7 @@ func (e *httpEnv) newSidecar(name string) (*target, error) {
 		Upstream:   e.directURL,
 		PolicyFile: e.policyFile(),
 		LogLevel:   "error",
-		Store:      sidecar.StoreOptions{Kind: "memory", MemoryMaxEntries: store.DefaultMaxEntries},
+		Store:      storeopen.Options{Kind: "memory", MemoryMaxEntries: store.DefaultMaxEntries},
 	})
 	if err != nil {
 		return nil, err

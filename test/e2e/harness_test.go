@@ -17,6 +17,7 @@ import (
 	"github.com/modelcontextprotocol/go-sdk/jsonrpc"
 	"github.com/modelcontextprotocol/go-sdk/mcp"
 
+	"github.com/idemcp/idemcp/internal/storeopen"
 	"github.com/idemcp/idemcp/sidecar"
 	"github.com/idemcp/idemcp/sidecar/toollist"
 	"github.com/idemcp/idemcp/test/mcpserver"
@@ -90,7 +91,7 @@ func newHarness(t *testing.T, rev revision, policyYAML string, mw func(http.Hand
 // configured with policyYAML (none: the defaults).
 func startSidecar(t *testing.T, upstream, policyYAML string) (*sidecar.Sidecar, *httptest.Server) {
 	t.Helper()
-	opts := sidecar.Options{Upstream: upstream, LogLevel: "error", Store: sidecar.StoreOptions{MemoryMaxEntries: 1000}}
+	opts := sidecar.Options{Upstream: upstream, LogLevel: "error", Store: storeopen.Options{MemoryMaxEntries: 1000}}
 	if policyYAML != "" {
 		opts.PolicyFile = writePolicy(t, policyYAML)
 	}

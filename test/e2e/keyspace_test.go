@@ -10,6 +10,7 @@ import (
 	"github.com/modelcontextprotocol/go-sdk/mcp"
 
 	"github.com/idemcp/idemcp/internal/store/redis/redistest"
+	"github.com/idemcp/idemcp/internal/storeopen"
 	"github.com/idemcp/idemcp/sidecar"
 	"github.com/idemcp/idemcp/test/mcpserver"
 )
@@ -40,7 +41,7 @@ func TestKeySpacePerWorkloadOnOneRedis(t *testing.T) {
 		t.Cleanup(upstream.Close)
 		sc, err := sidecar.New(sidecar.Options{Upstream: upstream.URL, LogLevel: "error", KeySpace: w.keySpace,
 			Policy: "spec: {keyScope: Principal, tools: [{name: charge_card, mode: Deduplicate}]}",
-			Store:  sidecar.StoreOptions{Kind: "redis", RedisAddrs: rdb.Addr, RedisKeyPrefix: "idemcp:shop/payments:"}})
+			Store:  storeopen.Options{Kind: "redis", RedisAddrs: rdb.Addr, RedisKeyPrefix: "idemcp:shop/payments:"}})
 		if err != nil {
 			t.Fatalf("%s: sidecar.New: %v", name, err)
 		}

@@ -13,6 +13,7 @@ import (
 
 	"github.com/idemcp/idemcp/internal/mcpmsg"
 	"github.com/idemcp/idemcp/internal/store/redis/redistest"
+	"github.com/idemcp/idemcp/internal/storeopen"
 	"github.com/idemcp/idemcp/sidecar"
 	"github.com/idemcp/idemcp/test/mcpserver"
 	"github.com/idemcp/idemcp/test/poll"
@@ -253,7 +254,7 @@ func TestTwoServersOneRedisDoNotShare(t *testing.T) {
 func newSidecarFor(t *testing.T, upstream, policy, redisAddr string) string {
 	t.Helper()
 	sc, err := sidecar.New(sidecar.Options{Upstream: upstream, PolicyFile: writePolicy(t, policy), LogLevel: "error",
-		Store: sidecar.StoreOptions{Kind: "redis", RedisAddrs: redisAddr}})
+		Store: storeopen.Options{Kind: "redis", RedisAddrs: redisAddr}})
 	if err != nil {
 		t.Fatal(err)
 	}

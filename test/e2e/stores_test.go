@@ -20,6 +20,7 @@ import (
 	"github.com/idemcp/idemcp/internal/mcpmsg"
 	"github.com/idemcp/idemcp/internal/store/postgres/pgtest"
 	"github.com/idemcp/idemcp/internal/store/redis/redistest"
+	"github.com/idemcp/idemcp/internal/storeopen"
 	"github.com/idemcp/idemcp/sidecar"
 	"github.com/idemcp/idemcp/test/mcpserver"
 	"github.com/idemcp/idemcp/test/poll"
@@ -29,7 +30,7 @@ import (
 // the same for every shared store run once per store (forEachStore).
 type sharedStore struct {
 	// options reach the store, with this key prefix.
-	options func(prefix string) sidecar.StoreOptions
+	options func(prefix string) storeopen.Options
 	// process is how an `idemcp sidecar` process is told the same: flags
 	// and environment (a pod's secretKeyRef variables).
 	process func(prefix string) (flags, env []string)
@@ -46,8 +47,8 @@ func redisStore(srv *redistest.Server) *sharedStore {
 func redisAt(addrs []string, stop, start func()) *sharedStore {
 	joined := strings.Join(addrs, ",")
 	return &sharedStore{
-		options: func(prefix string) sidecar.StoreOptions {
-			return sidecar.StoreOptions{Kind: "redis", RedisAddrs: joined, RedisKeyPrefix: prefix}
+		options: func(prefix string) storeopen.Options {
+			return storeopen.Options{Kind: "redis", RedisAddrs: joined, RedisKeyPrefix: prefix}
 		},
 		process: func(prefix string) ([]string, []string) {
 			return []string{"--store", "redis", "--redis-addr", joined, "--redis-key-prefix", prefix}, nil
@@ -58,8 +59,8 @@ func redisAt(addrs []string, stop, start func()) *sharedStore {
 
 func postgresStore(pg *pgtest.Server) *sharedStore {
 	return &sharedStore{
-		options: func(prefix string) sidecar.StoreOptions {
-			return sidecar.StoreOptions{Kind: "postgres", PostgresURL: pg.URL, PostgresKeyPrefix: prefix}
+		options: func(prefix string) storeopen.Options {
+			return storeopen.Options{Kind: "postgres", PostgresURL: pg.URL, PostgresKeyPrefix: prefix}
 		},
 		process: func(prefix string) ([]string, []string) {
 			// The URL arrives as it does in a pod: in the environment.
@@ -108,7 +109,7 @@ func newFleet(t *testing.T, rev revision, policyYAML string, st *sharedStore, n 
 	return newFleetWith(t, rev, policyYAML, st.options(testPrefix(t)), n)
 }
 
-func newFleetWith(t *testing.T, rev revision, policyYAML string, opts sidecar.StoreOptions, n int) *fleet {
+func newFleetWith(t *testing.T, rev revision, policyYAML string, opts storeopen.Options, n int) *fleet {
 	t.Helper()
 	f := &fleet{harness: newHarness(t, rev, "", nil)}
 	for range n {

@@ -15,6 +15,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/idemcp/idemcp/api/v1alpha1"
+	"github.com/idemcp/idemcp/internal/storeopen"
 	"github.com/idemcp/idemcp/sidecar"
 	"github.com/idemcp/idemcp/test/mcpserver"
 )
@@ -47,7 +48,7 @@ func TestPassthroughToDeduplicateUnderLoad(t *testing.T) {
 	listen := freeAddr(t)
 	sc, err := sidecar.New(sidecar.Options{
 		Listen: listen, Upstream: upstream.URL, Policy: string(snapshot), LogLevel: "error",
-		Store:           sidecar.StoreOptions{MemoryMaxEntries: 1000},
+		Store:           storeopen.Options{MemoryMaxEntries: 1000},
 		ShutdownTimeout: 5 * time.Second,
 		Push:            sidecar.PushOptions{Endpoint: "https://" + mgr.addr, CABundle: string(caPEM), TokenFile: tokenFile},
 	})

@@ -19,6 +19,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/envtest"
 
 	"github.com/idemcp/idemcp/api/v1alpha1"
+	"github.com/idemcp/idemcp/internal/storeopen"
 	"github.com/idemcp/idemcp/sidecar"
 	"github.com/idemcp/idemcp/test/mcpserver"
 	"github.com/idemcp/idemcp/test/poll"
@@ -52,7 +53,7 @@ func startPushedSidecar(t *testing.T, mgr *replica, ns, name string, spec v1alph
 	listen := freeAddr(t)
 	sc, err := sidecar.New(sidecar.Options{
 		Listen: listen, Upstream: upstream.URL, Policy: string(snapshot), LogLevel: "error", KeySpace: "Deployment/payments",
-		Store:           sidecar.StoreOptions{MemoryMaxEntries: 1000},
+		Store:           storeopen.Options{MemoryMaxEntries: 1000},
 		ShutdownTimeout: 5 * time.Second,
 		Push:            sidecar.PushOptions{Endpoint: "https://" + mgr.addr, CABundle: string(caPEM), TokenFile: tokenFile},
 	})

@@ -1,4 +1,4 @@
-package sidecar
+package storeopen
 
 import (
 	"time"
@@ -6,9 +6,9 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 )
 
-// newStoreDuration registers idemcp_store_duration_seconds with reg and
+// NewDurationMetrics registers idemcp_store_duration_seconds with reg and
 // returns what store.Timed reports to.
-func newStoreDuration(reg prometheus.Registerer) func(op string, d time.Duration) {
+func NewDurationMetrics(reg prometheus.Registerer) func(op string, d time.Duration) {
 	h := prometheus.NewHistogramVec(prometheus.HistogramOpts{
 		Name:    "idemcp_store_duration_seconds",
 		Help:    "Store round trips by operation (reserve, renew, complete, release, ping), failed ones included, sealing included.",

@@ -1,4 +1,4 @@
-package sidecar
+package storeopen
 
 import (
 	"context"
@@ -17,10 +17,10 @@ import (
 	redisstore "github.com/idemcp/idemcp/internal/store/redis"
 )
 
-// StoreInfo says which store a sidecar or wrapper runs on, as its startup
+// Info says which store a sidecar or wrapper runs on, as its startup
 // log shows it: the store in use, which flags may have chosen over the
 // policy's store.type.
-type StoreInfo struct {
+type Info struct {
 	// Kind is Memory, Redis or Postgres.
 	Kind string
 	// Mode is how Redis is reached: standalone, sentinel or cluster.
@@ -34,7 +34,7 @@ type StoreInfo struct {
 }
 
 // LogAttrs are the store's attributes for a log line.
-func (i StoreInfo) LogAttrs() []any {
+func (i Info) LogAttrs() []any {
 	attrs := []any{"store", i.Kind}
 	if i.Mode != "" {
 		attrs = append(attrs, "storeMode", i.Mode)
@@ -48,7 +48,7 @@ func (i StoreInfo) LogAttrs() []any {
 	return attrs
 }
 
-func redisInfo(ro redisstore.Options) StoreInfo {
+func redisInfo(ro redisstore.Options) Info {
 	mode := "standalone"
 	switch {
 	case ro.SentinelMaster != "":
@@ -59,11 +59,11 @@ func redisInfo(ro redisstore.Options) StoreInfo {
 	if ro.TLS {
 		mode += ", TLS"
 	}
-	return StoreInfo{Kind: "Redis", Mode: mode, Address: strings.Join(ro.Addrs, ","), KeyPrefix: ro.Prefix}
+	return Info{Kind: "Redis", Mode: mode, Address: strings.Join(ro.Addrs, ","), KeyPrefix: ro.Prefix}
 }
 
-func postgresInfo(url string) StoreInfo {
-	info := StoreInfo{Kind: "Postgres"}
+func postgresInfo(url string) Info {
+	info := Info{Kind: "Postgres"}
 	if cfg, err := pgconn.ParseConfig(url); err == nil {
 		info.Address = net.JoinHostPort(cfg.Host, strconv.Itoa(int(cfg.Port))) + "/" + cfg.Database
 	}
@@ -73,13 +73,13 @@ func postgresInfo(url string) StoreInfo {
 // startupCheckTimeout bounds the startup check of a shared store.
 const startupCheckTimeout = 5 * time.Second
 
-// CheckStore pings a shared store once at startup and says in the log
+// Check pings a shared store once at startup and says in the log
 // whether it answers: a store that is unreachable, or that refuses the
 // password, gets a warning naming its address and the cause. Startup goes
 // on either way: the store may come up later, the sidecar reconnects by
 // itself, and the policy's onStoreUnavailable decides for the calls until
 // then.
-func CheckStore(ctx context.Context, st store.Store, info StoreInfo, p *policy.Policy, log *slog.Logger) {
+func Check(ctx context.Context, st store.Store, info Info, p *policy.Policy, log *slog.Logger) {
 	if info.Kind == "" || info.Kind == "Memory" {
 		return
 	}

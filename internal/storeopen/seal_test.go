@@ -1,4 +1,4 @@
-package sidecar
+package storeopen
 
 import (
 	"context"
@@ -32,18 +32,18 @@ func sealKey() string {
 // the keyring given, and unsealed (as whoever can write to it sees it).
 type sealedBackend struct {
 	name string
-	opts func(t *testing.T) StoreOptions
+	opts func(t *testing.T) Options
 }
 
 func sealedBackends(t *testing.T) []sealedBackend {
 	return []sealedBackend{
-		{"redis", func(t *testing.T) StoreOptions {
+		{"redis", func(t *testing.T) Options {
 			srv := redistest.Start(t)
-			return StoreOptions{Kind: "redis", RedisAddrs: srv.Addr, RedisKeyPrefix: "idemcp:{seal/" + rand.Text()[:8] + "}:"}
+			return Options{Kind: "redis", RedisAddrs: srv.Addr, RedisKeyPrefix: "idemcp:{seal/" + rand.Text()[:8] + "}:"}
 		}},
-		{"postgres", func(t *testing.T) StoreOptions {
+		{"postgres", func(t *testing.T) Options {
 			srv := pgtest.Start(t)
-			return StoreOptions{Kind: "postgres", PostgresURL: srv.URL, PostgresKeyPrefix: "idemcp:seal/" + rand.Text()[:8] + ":"}
+			return Options{Kind: "postgres", PostgresURL: srv.URL, PostgresKeyPrefix: "idemcp:seal/" + rand.Text()[:8] + ":"}
 		}},
 	}
 }
@@ -53,11 +53,11 @@ type sealedSidecar struct {
 	failures *prometheus.CounterVec
 }
 
-func openSealed(t *testing.T, o StoreOptions, keys string) sealedSidecar {
+func openSealed(t *testing.T, o Options, keys string) sealedSidecar {
 	t.Helper()
 	t.Setenv(SealKeysEnv, keys)
 	o.SealOpenFailures = NewSealMetrics(nil)
-	st, _, err := OpenStore(o, policy.Default(), slog.New(slog.DiscardHandler))
+	st, _, err := Open(o, policy.Default(), slog.New(slog.DiscardHandler))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -65,7 +65,7 @@ func openSealed(t *testing.T, o StoreOptions, keys string) sealedSidecar {
 	return sealedSidecar{engine: engine.New(engine.Options{Store: st}), failures: o.SealOpenFailures}
 }
 
-func openRaw(t *testing.T, o StoreOptions) store.Store {
+func openRaw(t *testing.T, o Options) store.Store {
 	t.Helper()
 	st, _, err := openStore(o, policy.Default(), slog.New(slog.DiscardHandler))
 	if err != nil {
@@ -230,7 +230,7 @@ func mustRing(t *testing.T, text string) *store.Keyring {
 	return k
 }
 
-func contextOf(o StoreOptions) string {
+func contextOf(o Options) string {
 	if o.RedisKeyPrefix != "" {
 		return o.RedisKeyPrefix
 	}
@@ -263,16 +263,16 @@ func plantWithRaw(t *testing.T, raw store.Store, p *engine.Plan, record []byte) 
 
 func TestSealKeysFromFileAndEnv(t *testing.T) {
 	t.Setenv(SealKeysEnv, "too-short")
-	_, _, err := OpenStore(StoreOptions{Kind: "memory"}, policy.Default(), slog.New(slog.DiscardHandler))
+	_, _, err := Open(Options{Kind: "memory"}, policy.Default(), slog.New(slog.DiscardHandler))
 	if err == nil || !strings.Contains(err.Error(), SealKeysEnv) {
 		t.Fatalf("a bad %s = %v; want an error naming it", SealKeysEnv, err)
 	}
-	_, _, err = OpenStore(StoreOptions{Kind: "memory", SealKeysFile: t.TempDir() + "/none"}, policy.Default(), slog.New(slog.DiscardHandler))
+	_, _, err = Open(Options{Kind: "memory", SealKeysFile: t.TempDir() + "/none"}, policy.Default(), slog.New(slog.DiscardHandler))
 	if err == nil || !strings.Contains(err.Error(), "--seal-keys-file") {
 		t.Fatalf("a missing --seal-keys-file = %v; want an error naming it", err)
 	}
 	t.Setenv(SealKeysEnv, sealKey())
-	st, _, err := OpenStore(StoreOptions{Kind: "memory"}, policy.Default(), slog.New(slog.DiscardHandler))
+	st, _, err := Open(Options{Kind: "memory"}, policy.Default(), slog.New(slog.DiscardHandler))
 	if err != nil {
 		t.Fatal(err)
 	}

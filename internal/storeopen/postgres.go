@@ -1,4 +1,4 @@
-package sidecar
+package storeopen
 
 import (
 	"errors"
@@ -19,7 +19,7 @@ import (
 // extraFlags registers the flags that follow the conventions of other
 // tools: REDIS_URL and DATABASE_URL are read when the IDEMCP_ variables
 // are not set (see BindEnv).
-func (o *StoreOptions) extraFlags(fs *flag.FlagSet) {
+func (o *Options) extraFlags(fs *flag.FlagSet) {
 	fs.StringVar(&o.RedisURL, "redis-url", "", "redis:// or rediss:// URL of the Redis store, the alternative to --redis-addr (default: $REDIS_URL)")
 	fs.StringVar(&o.PostgresURL, "postgres-url", "", "PostgreSQL connection string or postgres:// URL of the Postgres store (default: $DATABASE_URL); a pod gets it from the policy's store.postgres.urlSecretRef")
 	fs.StringVar(&o.PostgresPasswordFile, "postgres-password-file", "", "file holding the PostgreSQL password, overriding the URL's (default: $IDEMCP_POSTGRES_PASSWORD)")
@@ -58,13 +58,13 @@ func redactURL(raw string) string {
 
 // openPostgres opens the Postgres store. The URL comes from the flag or
 // the environment (a secretKeyRef in a pod), never from the policy.
-func openPostgres(o StoreOptions, p *policy.Policy) (store.Store, StoreInfo, error) {
+func openPostgres(o Options, p *policy.Policy) (store.Store, Info, error) {
 	if o.PostgresURL == "" {
 		hint := "set --postgres-url, IDEMCP_POSTGRES_URL or DATABASE_URL"
 		if pg := p.Spec.Store.Postgres; pg != nil {
 			hint = fmt.Sprintf("in a pod it comes from the Secret %s, key %s (store.postgres.urlSecretRef); elsewhere %s", pg.URLSecretRef.Name, pg.URLSecretRef.Key, hint)
 		}
-		return nil, StoreInfo{}, errors.New("--postgres-url: the Postgres store needs a connection string; " + hint)
+		return nil, Info{}, errors.New("--postgres-url: the Postgres store needs a connection string; " + hint)
 	}
 	po := pgstore.Options{
 		URL:       o.PostgresURL,
@@ -73,18 +73,18 @@ func openPostgres(o StoreOptions, p *policy.Policy) (store.Store, StoreInfo, err
 		Prefix:    o.PostgresKeyPrefix,
 	}
 	if o.PostgresPasswordFile != "" {
-		b, err := os.ReadFile(o.PostgresPasswordFile)
+		pw, err := passwordFile("--postgres-password-file", o.PostgresPasswordFile)
 		if err != nil {
-			return nil, StoreInfo{}, fmt.Errorf("--postgres-password-file: %w", err)
+			return nil, Info{}, err
 		}
-		po.Password = strings.TrimRight(string(b), "\r\n")
+		po.Password = pw
 	}
 	if po.Prefix == "" {
 		po.Prefix = defaultPrefix(o, p)
 	}
 	st, err := pgstore.New(po)
 	if err != nil {
-		return nil, StoreInfo{}, fmt.Errorf("--postgres-url: %w", err)
+		return nil, Info{}, fmt.Errorf("--postgres-url: %w", err)
 	}
 	info := postgresInfo(po.URL)
 	info.KeyPrefix = st.KeyPrefix() // what seals bind to

@@ -1,4 +1,4 @@
-package sidecar
+package policy
 
 import (
 	"errors"
@@ -6,30 +6,29 @@ import (
 	"time"
 
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-
-	"github.com/idemcp/idemcp/internal/policy"
 )
 
-// LoadPolicy compiles the policy given as a file or inline (the webhook's
-// snapshot), or returns the defaults when neither is given.
-func LoadPolicy(file, inline string) (*policy.Policy, error) {
+// Load compiles the policy given to `idemcp sidecar` or `idemcp wrap` as
+// a file (--policy-file) or inline (--policy, the webhook's snapshot), or
+// returns the defaults when neither is given.
+func Load(file, inline string) (*Policy, error) {
 	switch {
 	case file != "" && inline != "":
 		return nil, errors.New("--policy-file and --policy (IDEMCP_POLICY) both given; use one")
 	case file != "":
-		p, err := policy.LoadFile(file)
+		p, err := LoadFile(file)
 		if err != nil {
 			return nil, fmt.Errorf("--policy-file %s: %w", file, err)
 		}
 		return p, nil
 	case inline != "":
-		p, err := policy.Parse([]byte(inline))
+		p, err := Parse([]byte(inline))
 		if err != nil {
 			return nil, fmt.Errorf("--policy (IDEMCP_POLICY): %w", err)
 		}
 		return p, nil
 	}
-	return policy.Default(), nil
+	return Default(), nil
 }
 
 // RetryWindowFlag documents --retry-window, which `idemcp sidecar` and
@@ -38,13 +37,13 @@ const RetryWindowFlag = "how long an identical call with a derived key (no expli
 
 // WithRetryWindow returns p with spec.retryWindow set to d (0: p as it
 // is), checked as the policy's own would be.
-func WithRetryWindow(p *policy.Policy, d time.Duration) (*policy.Policy, error) {
+func WithRetryWindow(p *Policy, d time.Duration) (*Policy, error) {
 	if d == 0 {
 		return p, nil
 	}
 	spec := *p.Spec.DeepCopy()
 	spec.RetryWindow = &metav1.Duration{Duration: d}
-	q, err := policy.Compile(spec)
+	q, err := Compile(spec)
 	if err != nil {
 		return nil, fmt.Errorf("--retry-window %s: %w", d, err)
 	}

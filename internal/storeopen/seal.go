@@ -1,4 +1,4 @@
-package sidecar
+package storeopen
 
 import (
 	"flag"
@@ -17,7 +17,7 @@ import (
 // the policy or on the policy stream.
 const SealKeysEnv = "IDEMCP_SEAL_KEYS"
 
-func (o *StoreOptions) sealFlags(fs *flag.FlagSet) {
+func (o *Options) sealFlags(fs *flag.FlagSet) {
 	fs.StringVar(&o.SealKeysFile, "seal-keys-file", "",
 		"file holding the seal keyring: base64 AES-256 keys separated by commas or newlines, the current one first (default: $"+SealKeysEnv+"; none: results are stored unsealed)")
 }
@@ -40,7 +40,7 @@ func NewSealMetrics(reg prometheus.Registerer) *prometheus.CounterVec {
 
 // sealKeyring reads the keyring from --seal-keys-file or $IDEMCP_SEAL_KEYS;
 // nil when neither is set.
-func sealKeyring(o StoreOptions) (*store.Keyring, error) {
+func sealKeyring(o Options) (*store.Keyring, error) {
 	if o.SealKeysFile != "" {
 		b, err := os.ReadFile(o.SealKeysFile)
 		if err != nil {
@@ -66,7 +66,7 @@ func sealKeyring(o StoreOptions) (*store.Keyring, error) {
 // sealStore seals st's records when there is a keyring. Without one a
 // shared store gets a warning (whoever can write to it can plant a result
 // that a retry replays); the memory store, inside the process, a note.
-func sealStore(st store.Store, ring *store.Keyring, prefix string, o StoreOptions, log *slog.Logger) store.Store {
+func sealStore(st store.Store, ring *store.Keyring, prefix string, o Options, log *slog.Logger) store.Store {
 	unsealed := "Results are stored unsealed: whoever can read the store reads them, and whoever can write to it can plant a result that a retry replays; give a seal key with --seal-keys-file or " + SealKeysEnv + " (in a pod the webhook does)"
 	switch _, memory := st.(*store.Memory); {
 	case ring == nil && memory:

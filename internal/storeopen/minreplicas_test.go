@@ -1,4 +1,4 @@
-package sidecar
+package storeopen
 
 import (
 	"context"
@@ -41,13 +41,13 @@ func TestPolicyMinReplicas(t *testing.T) {
 		flag, want int
 		timeout    time.Duration
 	}{{0, 1, 200 * time.Millisecond}, {2, 2, time.Second}} {
-		ro, err := redisOptions(StoreOptions{RedisMinReplicas: tc.flag, RedisReplicaTimeout: time.Second}, pol)
+		ro, err := redisOptions(Options{RedisMinReplicas: tc.flag, RedisReplicaTimeout: time.Second}, pol)
 		if err != nil || ro.MinReplicas != tc.want || ro.ReplicaTimeout != tc.timeout {
 			t.Errorf("--redis-min-replicas %d under minReplicas 1: %d replicas, timeout %v (%v); want %d, %v", tc.flag, ro.MinReplicas, ro.ReplicaTimeout, err, tc.want, tc.timeout)
 		}
 	}
 
-	st, _, err := OpenStore(StoreOptions{Kind: "redis", RedisReplicaTimeout: time.Second}, pol, slog.New(slog.DiscardHandler))
+	st, _, err := Open(Options{Kind: "redis", RedisReplicaTimeout: time.Second}, pol, slog.New(slog.DiscardHandler))
 	if err != nil {
 		t.Fatal(err)
 	}
