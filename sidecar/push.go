@@ -7,8 +7,10 @@ import (
 	"os"
 
 	"github.com/idemcp/idemcp/internal/engine"
+	"github.com/idemcp/idemcp/internal/policy"
 	"github.com/idemcp/idemcp/internal/policywire"
 	"github.com/idemcp/idemcp/internal/store"
+	"github.com/idemcp/idemcp/internal/storeopen"
 	"github.com/idemcp/idemcp/sidecar/policysync"
 )
 
@@ -58,6 +60,7 @@ func (s *Sidecar) startPush(ctx context.Context) error {
 		CABundle:      []byte(o.CABundle),
 		Engine:        s.engine,
 		StoreIdentity: policywire.StoreIdentity(pol.Spec.Store),
+		OnApply:       s.applyStorePolicy,
 		Logger:        s.log,
 	})
 	if err != nil {
@@ -66,6 +69,18 @@ func (s *Sidecar) startPush(ctx context.Context) error {
 	s.push.Store(c)
 	go func() { _ = c.Run(ctx) }()
 	return nil
+}
+
+// applyStorePolicy gives the store what of a pushed policy applies live:
+// Redis's minReplicas and its timeout.
+func (s *Sidecar) applyStorePolicy(p *policy.Policy) {
+	changed, n, err := storeopen.ApplyReplicas(s.store, s.opts.Store, p)
+	switch {
+	case err != nil:
+		s.log.Error("The policy's store.redis.external.minReplicas could not be applied; the store keeps its setting", "err", err)
+	case changed:
+		s.log.Info("Applied the policy's minReplicas: every claim and stored result now waits for this many Redis replicas", "minReplicas", n)
+	}
 }
 
 // The acknowledgement carries the count of unscoped calls.

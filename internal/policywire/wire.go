@@ -203,7 +203,9 @@ func Decode(line []byte, v any) error {
 
 // StoreIdentity is what of a store a running sidecar cannot change: the
 // type and how it reaches Redis. Two specs with the same identity share
-// records; managed Redis's image, resources and storage are not part of it.
+// records; managed Redis's image, resources and storage are not part of
+// it, nor external Redis's minReplicas and minReplicasTimeout, which a
+// sidecar applies live.
 func StoreIdentity(s v1alpha1.StoreSpec) string {
 	id := struct {
 		Type     v1alpha1.StoreType      `json:"type"`
@@ -215,7 +217,11 @@ func StoreIdentity(s v1alpha1.StoreSpec) string {
 	}
 	if s.Redis != nil {
 		id.Managed = s.Redis.Managed != nil
-		id.External = s.Redis.External
+		if ext := s.Redis.External; ext != nil {
+			e := *ext
+			e.MinReplicas, e.MinReplicasTimeout = 0, nil
+			id.External = &e
+		}
 	}
 	b, _ := json.Marshal(id)
 	return string(b)

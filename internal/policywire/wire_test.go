@@ -3,6 +3,10 @@ package policywire
 import (
 	"testing"
 	"time"
+
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/idemcp/idemcp/api/v1alpha1"
 )
 
 // TestAReplacedPolicyIsNeverOlder: across UIDs the creation times (from
@@ -24,5 +28,30 @@ func TestAReplacedPolicyIsNeverOlder(t *testing.T) {
 	}
 	if Older(Order{UID: "new", Generation: 2}, Order{UID: "new", Generation: 2}) {
 		t.Error("the same generation is Older")
+	}
+}
+
+// TestStoreIdentityLeavesOutWhatAppliesLive: a change of external Redis's
+// minReplicas or minReplicasTimeout is applied by a running sidecar, so it
+// asks for no restart; a change of the addresses does.
+func TestStoreIdentityLeavesOutWhatAppliesLive(t *testing.T) {
+	spec := func(addr string, n int32, timeout time.Duration) v1alpha1.StoreSpec {
+		ext := &v1alpha1.ExternalRedis{Addresses: []string{addr}, MinReplicas: n}
+		if timeout > 0 {
+			ext.MinReplicasTimeout = &metav1.Duration{Duration: timeout}
+		}
+		return v1alpha1.StoreSpec{Type: v1alpha1.StoreRedis, Redis: &v1alpha1.RedisStoreSpec{External: ext}}
+	}
+	base := StoreIdentity(spec("redis:6379", 0, 0))
+	if got := StoreIdentity(spec("redis:6379", 2, 3*time.Second)); got != base {
+		t.Errorf("minReplicas 2 (timeout 3s) changed the store identity: %s, was %s", got, base)
+	}
+	if got := StoreIdentity(spec("other:6379", 0, 0)); got == base {
+		t.Errorf("another address kept the store identity %s", got)
+	}
+	s := spec("redis:6379", 2, time.Second)
+	_ = StoreIdentity(s)
+	if s.Redis.External.MinReplicas != 2 || s.Redis.External.MinReplicasTimeout == nil {
+		t.Errorf("StoreIdentity changed the spec it was given: %+v", s.Redis.External)
 	}
 }

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"log/slog"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -87,5 +88,80 @@ func TestPolicyMinReplicas(t *testing.T) {
 	}
 	if out, err := call(); err != nil || out.Kind != engine.Replayed || runs != 1 {
 		t.Fatalf("the retry: %v, %v (ran %d); want a replay of the one run", out.Kind, err, runs)
+	}
+}
+
+// TestMinReplicasAppliedLive: a policy applied live that raises
+// store.redis.external.minReplicas reaches the Redis store the sidecar
+// opened (through its sealing and timing wrappers), with no restart: a
+// call against a Redis with no replica is then refused -32013 naming the
+// replicas, and nothing runs; lowered again, the call runs. The flag still
+// may raise it, not lower it.
+func TestMinReplicasAppliedLive(t *testing.T) {
+	t.Setenv("IDEMCP_REDIS_PASSWORD", "")
+	primary := redistest.Start(t)
+	spec := func(n int) *policy.Policy {
+		t.Helper()
+		p, err := policy.Parse([]byte(`spec:
+  defaultMode: Deduplicate
+  keyScope: Global
+  store:
+    type: Redis
+    redis:
+      external:
+        addresses: ["` + primary.Addr + `"]
+        minReplicas: ` + strconv.Itoa(n) + `
+`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	o := Options{Kind: "redis", RedisReplicaTimeout: 200 * time.Millisecond}
+	st, _, err := Open(o, spec(0), slog.New(slog.DiscardHandler))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = st.Close() })
+	e := engine.New(engine.Options{Policy: spec(0), Store: st})
+	runs, n := 0, 0
+	call := func() error {
+		n++
+		tc, err := engine.ParseToolCall(json.RawMessage(`{"name":"charge","arguments":{"cents":` + strconv.Itoa(n) + `}}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		p, err := e.Plan(tc, engine.Caller{})
+		if err != nil || p == nil {
+			t.Fatalf("Plan: %v %v", p, err)
+		}
+		_, err = e.Execute(context.Background(), p, func(context.Context) (engine.Upstream, error) {
+			runs++
+			return engine.Upstream{Status: 200, Response: []byte(`{"jsonrpc":"2.0","id":1,"result":{"content":[]}}`)}, nil
+		})
+		return err
+	}
+	if err := call(); err != nil || runs != 1 {
+		t.Fatalf("a call under minReplicas 0: %v (ran %d)", err, runs)
+	}
+	if changed, got, err := ApplyReplicas(st, o, spec(1)); err != nil || !changed || got != 1 {
+		t.Fatalf("ApplyReplicas(minReplicas 1) = %v, %d, %v; want changed to 1", changed, got, err)
+	}
+	if changed, _, _ := ApplyReplicas(st, o, spec(1)); changed {
+		t.Error("ApplyReplicas of the same minReplicas again reports a change")
+	}
+	err = call()
+	var ee *engine.Error
+	if !errors.As(err, &ee) || ee.Code != mcpmsg.CodeStoreUnavailable || !strings.Contains(ee.Message, "0 of the 1 replicas") || runs != 1 {
+		t.Fatalf("a call after minReplicas was raised to 1, with no replica: %v (ran %d); want -32013 naming the replicas, and nothing run", err, runs)
+	}
+	if changed, got, err := ApplyReplicas(st, Options{Kind: "redis", RedisMinReplicas: 1, RedisReplicaTimeout: 200 * time.Millisecond}, spec(0)); err != nil || changed || got != 1 {
+		t.Errorf("--redis-min-replicas 1 under a policy lowered to 0: %v, %d, %v; want the flag's 1 kept", changed, got, err)
+	}
+	if _, _, err := ApplyReplicas(st, o, spec(0)); err != nil {
+		t.Fatal(err)
+	}
+	if err := call(); err != nil || runs != 2 {
+		t.Fatalf("a call after minReplicas was lowered to 0: %v (ran %d)", err, runs)
 	}
 }

@@ -139,6 +139,46 @@ func openStore(o Options, p *policy.Policy, log *slog.Logger) (store.Store, Info
 	}
 }
 
+// minReplicas is how many Redis replicas every write waits for, and for
+// how long: the policy's store.redis.external.minReplicas, or the flag's
+// when higher (the flag may raise the policy's guarantee, never lower it).
+func minReplicas(o Options, p *policy.Policy) (int, time.Duration) {
+	n, timeout := o.RedisMinReplicas, o.RedisReplicaTimeout
+	if r := p.Spec.Store.Redis; r != nil && r.External != nil && int(r.External.MinReplicas) > n {
+		n = int(r.External.MinReplicas)
+		if t := r.External.MinReplicasTimeout; t != nil && t.Duration > 0 {
+			timeout = t.Duration
+		}
+	}
+	return n, timeout
+}
+
+// ApplyReplicas gives a Redis store that serves the minReplicas of a
+// policy applied live (the webhook's snapshot, then each push): a change of
+// store.redis.external.minReplicas or minReplicasTimeout holds from the
+// next call, with no restart. It reports whether the setting changed; any
+// other store is left as it is.
+func ApplyReplicas(st store.Store, o Options, p *policy.Policy) (changed bool, n int, err error) {
+	for st != nil {
+		if rs, ok := st.(*redisstore.Store); ok {
+			n, timeout := minReplicas(o, p)
+			if timeout <= 0 {
+				timeout = redisstore.DefaultReplicaTimeout
+			}
+			if n == rs.MinReplicas() && timeout == rs.ReplicaTimeout() {
+				return false, n, nil
+			}
+			return true, n, rs.SetMinReplicas(n, timeout)
+		}
+		u, ok := st.(interface{ Unwrap() store.Store })
+		if !ok {
+			return false, 0, nil
+		}
+		st = u.Unwrap()
+	}
+	return false, 0, nil
+}
+
 // redisOptions merges the flags over the policy's store.redis.external.
 // Secrets never come from the policy: the password is a file or an env var.
 func redisOptions(o Options, p *policy.Policy) (redisstore.Options, error) {
@@ -152,20 +192,11 @@ func redisOptions(o Options, p *policy.Policy) (redisstore.Options, error) {
 	if o.RedisReplicaTimeout < 0 {
 		return ro, fmt.Errorf("--redis-min-replicas-timeout %v: want a positive duration such as 500ms or 2s", o.RedisReplicaTimeout)
 	}
-	ro.MinReplicas, ro.ReplicaTimeout = o.RedisMinReplicas, o.RedisReplicaTimeout
-	if r := p.Spec.Store.Redis; r != nil && r.External != nil {
-		if len(ro.Addrs) == 0 {
-			ro.Addrs = r.External.Addresses
-			ro.SentinelMaster = r.External.SentinelMaster
-			ro.TLS = r.External.TLS
-		}
-		// The flag may raise the policy's guarantee, never lower it.
-		if n := int(r.External.MinReplicas); n > ro.MinReplicas {
-			ro.MinReplicas = n
-			if t := r.External.MinReplicasTimeout; t != nil && t.Duration > 0 {
-				ro.ReplicaTimeout = t.Duration
-			}
-		}
+	ro.MinReplicas, ro.ReplicaTimeout = minReplicas(o, p)
+	if r := p.Spec.Store.Redis; r != nil && r.External != nil && len(ro.Addrs) == 0 {
+		ro.Addrs = r.External.Addresses
+		ro.SentinelMaster = r.External.SentinelMaster
+		ro.TLS = r.External.TLS
 	}
 	if o.RedisAddrs != "" {
 		ro.Addrs = nil

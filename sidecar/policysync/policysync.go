@@ -71,7 +71,11 @@ type Options struct {
 	// opened at start: a policy naming another store is applied, but the
 	// store stays, and the report says a restart is required.
 	StoreIdentity string
-	Logger        *slog.Logger
+	// OnApply, when set, is called with each policy applied, after the
+	// engine has it: what of the store may change live (Redis's
+	// minReplicas) follows it.
+	OnApply func(*policy.Policy)
+	Logger  *slog.Logger
 	// Backoff between attempts after a network error or a 503 starts at
 	// MinBackoff and doubles up to MaxBackoff (defaults 200ms, 5s); a
 	// refusal (401, 403, 404) waits RefusedBackoff (default 1m), doubling up
@@ -506,6 +510,9 @@ func (c *Client) apply(snap *policywire.Snapshot) (restart, nack string) {
 		// One atomic swap: a call already planned finishes under the
 		// policy it started with, the next one takes this.
 		c.o.Engine.SetPolicy(p)
+		if c.o.OnApply != nil {
+			c.o.OnApply(p)
+		}
 		c.log.Info("Applied policy", "policy", c.o.Namespace+"/"+c.o.Name, "hash", p.Hash, "restartRequired", restart != "")
 	}
 	select {

@@ -223,6 +223,9 @@ func (s *Store) SetMinReplicas(n int, timeout time.Duration) error {
 // MinReplicas is the number of replicas every write waits for now.
 func (s *Store) MinReplicas() int { return s.rep.Load().n }
 
+// ReplicaTimeout bounds each wait for MinReplicas now.
+func (s *Store) ReplicaTimeout() time.Duration { return s.rep.Load().timeout }
+
 // preload puts the scripts in Redis's script cache, so that the first call
 // of each is one EVALSHA rather than a NOSCRIPT and an EVAL. Failure is
 // harmless: Script.Run falls back to EVAL, as it must anyway after Redis
