@@ -201,8 +201,9 @@ type replication struct {
 
 // SetMinReplicas changes MinReplicas and ReplicaTimeout (0: the default)
 // of a store that serves: a policy's store.redis.external.minReplicas
-// changed live. Calls already under way finish with the value they
-// started with. Results stored while it was 0 carry no acknowledgement,
+// changed live. Each store operation reads it once, so its write, its
+// WAIT and its acknowledgement mark agree; the next operation of a call
+// under way may read the new value. Results stored while it was 0 carry no acknowledgement,
 // so once it is raised each is confirmed with the replicas (written and
 // waited for again) before its first replay.
 func (s *Store) SetMinReplicas(n int, timeout time.Duration) error {
@@ -279,11 +280,12 @@ func (s *Store) Reserve(ctx context.Context, c store.Claim) (store.Reservation, 
 	if c.Discard != nil {
 		discard = "1"
 	}
+	rep := *s.rep.Load() // once: the script's confirm and the WAIT agree
 	confirm := "0"
-	if s.rep.Load().n > 0 {
+	if rep.n > 0 {
 		confirm = "1"
 	}
-	res, err := s.write(ctx, "reserve", c.Key, reserveScript, func(r any) bool {
+	res, err := s.write(ctx, rep, "reserve", c.Key, reserveScript, func(r any) bool {
 		code, _ := field[int64](asSlice(r), 0)
 		return code == codeWon || code == codeTookOver || code == codeUnconfirmed
 	}, c.Fingerprint, c.Owner, millis(c.Lease), millis(max(c.Retention, c.Lease)), takeOver, discard, c.Discard, confirm, c.Tool, c.Pod)
@@ -351,8 +353,8 @@ func field[T any](reply []any, i int) (T, bool) {
 
 // owned runs a compare-and-set script that replies 1 when the owner still
 // held the claim.
-func (s *Store) owned(ctx context.Context, op, key string, sc *redis.Script, args ...any) error {
-	r, err := s.write(ctx, op, key, sc, func(r any) bool { n, _ := r.(int64); return n == 1 }, args...)
+func (s *Store) owned(ctx context.Context, rep replication, op, key string, sc *redis.Script, args ...any) error {
+	r, err := s.write(ctx, rep, op, key, sc, func(r any) bool { n, _ := r.(int64); return n == 1 }, args...)
 	if err != nil {
 		return err
 	}
@@ -365,10 +367,10 @@ func (s *Store) owned(ctx context.Context, op, key string, sc *redis.Script, arg
 // write runs a script on key. With MinReplicas set, a script that wrote
 // (as wrote says of its reply) is followed by WAIT on the same connection,
 // since WAIT counts the replicas that have that connection's writes. A
-// failed WAIT returns the script's reply with its error.
-func (s *Store) write(ctx context.Context, op, key string, sc *redis.Script, wrote func(any) bool, args ...any) (any, error) {
+// failed WAIT returns the script's reply with its error. rep is the
+// operation's one reading of MinReplicas.
+func (s *Store) write(ctx context.Context, rep replication, op, key string, sc *redis.Script, wrote func(any) bool, args ...any) (any, error) {
 	full := s.prefix + key
-	rep := *s.rep.Load()
 	if rep.n == 0 {
 		r, err := sc.Run(ctx, s.client, []string{full}, args...).Result()
 		if err != nil {
@@ -426,7 +428,7 @@ func (s *Store) conn(ctx context.Context, key string) (*redis.Conn, error) {
 
 // Renew implements store.Store.
 func (s *Store) Renew(ctx context.Context, key, owner string, lease time.Duration) error {
-	return s.owned(ctx, "renew", key, renewScript, owner, millis(lease))
+	return s.owned(ctx, *s.rep.Load(), "renew", key, renewScript, owner, millis(lease))
 }
 
 // Complete implements store.Store. With MinReplicas set, a result its
@@ -434,10 +436,13 @@ func (s *Store) Renew(ctx context.Context, key, owner string, lease time.Duratio
 // replayed without confirming it first (see confirmed).
 func (s *Store) Complete(ctx context.Context, key, owner string, response []byte, ttl time.Duration) error {
 	nonce := rand.Text()
-	if err := s.owned(ctx, "complete", key, completeScript, owner, response, millis(ttl), nonce, s.channel); err != nil {
+	// Read once: a result is marked acknowledged only after a WAIT for
+	// the replicas this very write waited for.
+	rep := *s.rep.Load()
+	if err := s.owned(ctx, rep, "complete", key, completeScript, owner, response, millis(ttl), nonce, s.channel); err != nil {
 		return err
 	}
-	if s.rep.Load().n > 0 {
+	if rep.n > 0 {
 		// Best effort: without the mark the first replay confirms it.
 		_ = ackScript.Run(ctx, s.client, []string{s.prefix + key}, nonce).Err()
 	}
