@@ -217,14 +217,15 @@ func explicitScoped(r *policy.Rule, c Caller) bool {
 	return ok
 }
 
-func (e *Engine) countUnscoped(p *policy.Policy, r *policy.Rule, tool string) {
+func (e *Engine) countUnscoped(p *policy.Policy, r *policy.Rule, tool string, session bool) {
 	e.unscoped.Add(1)
 	e.countCall(OutcomeUnscoped, tool)
 	e.unscopedOnce.Do(func() {
 		who := "A call with no session and no principal"
-		if r.KeyScope == v1alpha1.ScopePrincipal {
-			// A session does not scope a call under keyScope: Principal.
-			who = "A call with no principal (keyScope: Principal; a session does not scope it)"
+		if r.KeyScope == v1alpha1.ScopePrincipal && session {
+			// A session does not scope a derived key under keyScope:
+			// Principal (it does scope an explicit one).
+			who = "A call with no principal (keyScope: Principal; a session does not scope its derived key)"
 		}
 		e.log.Warn(who+" was forwarded without deduplication: two anonymous callers must never share one execution. "+
 			"Send the "+p.PrincipalHeader+" header (or set principalHeader to a header your gateway sets), or choose keyScope: Global knowingly (an explicit idempotency key needs a principal or a session too); "+
@@ -282,7 +283,7 @@ func (e *Engine) PlanCall(ctx context.Context, tc *ToolCall, c Caller) (*Plan, e
 		return nil, err
 	}
 	if explicit == "" && unscopedCall(rule, c) || explicit != "" && !explicitScoped(rule, c) {
-		e.countUnscoped(p, rule, tc.Name)
+		e.countUnscoped(p, rule, tc.Name, c.Session != "")
 		traceOutcome(ctx, tracing.OutcomeUnscoped)
 		return nil, nil
 	}

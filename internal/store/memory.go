@@ -241,12 +241,20 @@ func (m *Memory) makeRoomLocked(now time.Time, n int, extra int64, keep string) 
 	// A sweep reads every record: once a second at most, or a full store
 	// would pay it on every insert (7ms a call at 100,000 records, under
 	// the store's one lock). Between sweeps an expired record is evicted
-	// as a live one is (victimLocked).
+	// as a live one is (victimLocked, oldest first), so a live record
+	// older than it may go first; a store left with only pending claims
+	// sweeps before it refuses one.
 	if now.Sub(m.lastSweep) >= sweepAtMost || now.Before(m.lastSweep) {
 		m.sweepLocked(now)
 	}
 	for full() {
 		key := m.victimLocked(keep)
+		if key == "" && !m.lastSweep.Equal(now) {
+			// Only pending claims are left, some perhaps expired since
+			// the last sweep: sweep before refusing.
+			m.sweepLocked(now)
+			continue
+		}
 		if key == "" {
 			// Only pending claims (and the record kept) are left: a
 			// pending claim is never evicted. Over the byte bound that

@@ -56,9 +56,9 @@ func TestMemoryBounded(t *testing.T) {
 	}
 }
 
-// TestMemoryFullSweepsExpiredFirst: a full store makes room with its
-// expired records before it evicts a live one, though it sweeps at most
-// once a second: a retry of a live record still finds it.
+// TestMemoryFullSweepsExpiredFirst: a full store whose last sweep is over
+// a second old makes room with its expired records before it evicts a
+// live one: a retry of a live record still finds it.
 func TestMemoryFullSweepsExpiredFirst(t *testing.T) {
 	ctx := context.Background()
 	now := time.Date(2026, 12, 2, 10, 0, 0, 0, time.UTC)

@@ -42,6 +42,7 @@ import (
 	"github.com/idemcp/idemcp/internal/store/redis/redistest"
 	"github.com/idemcp/idemcp/test/history"
 	"github.com/idemcp/idemcp/test/mcpserver"
+	"github.com/idemcp/idemcp/test/poll"
 	"github.com/idemcp/idemcp/test/procs"
 )
 
@@ -687,6 +688,16 @@ func (w *world) stepClock() {
 	if err := os.WriteFile(w.clockFile, []byte(d.String()), 0o600); err != nil {
 		w.t.Errorf("stepping the clock: %v", err)
 	}
+	// The sidecar (a faultclock build) writes back the offset it took.
+	if err := poll.Until(context.Background(), 5*time.Second, func() error {
+		b, _ := os.ReadFile(w.clockFile + ".applied")
+		if string(b) != d.String() && d != 0 {
+			return fmt.Errorf("its clock is %q off", b)
+		}
+		return nil
+	}); err != nil {
+		w.t.Errorf("sidecar 0 did not take the clock step to %v: %v", d, err)
+	}
 	w.t.Logf("%s sidecar 0's clock now %v off", ts(time.Now()), d)
 }
 
@@ -784,7 +795,34 @@ func (w *world) history() *history.History {
 	for k, win := range w.killed {
 		h.Kills = append(h.Kills, history.Window{From: win[0], To: win[1], Sidecar: w.killedBy[k]})
 	}
+	for i, sc := range w.sidecars {
+		for _, at := range takenOverReports(sc.Log()) {
+			// The claim lapsed a lease or so before the failed store
+			// said so.
+			h.Reported = append(h.Reported, history.Window{From: at.Add(-2*w.lease - time.Second), To: at, Sidecar: i})
+		}
+	}
 	return h
+}
+
+// takenOverReports are the times a sidecar's log says a claim it answered
+// under was taken over before its result was stored.
+func takenOverReports(log string) []time.Time {
+	b, err := os.ReadFile(log)
+	if err != nil {
+		return nil
+	}
+	var out []time.Time
+	for line := range strings.SplitSeq(string(b), "\n") {
+		var rec struct {
+			Time time.Time `json:"time"`
+			Msg  string    `json:"msg"`
+		}
+		if json.Unmarshal([]byte(line), &rec) == nil && strings.HasPrefix(rec.Msg, "Claim was taken over before the call finished") {
+			out = append(out, rec.Time)
+		}
+	}
+	return out
 }
 
 // verify retries every completed call once, with no faults, as the agent
@@ -1123,7 +1161,7 @@ func (r *report) String() string {
 	row("executions", r.executions)
 	row("duplicates (must be 0)", r.duplicates)
 	row("replays that differed (must be 0)", r.mismatches)
-	row("re-run after a claim lapsed in a Redis pause or a slow restart (Retry only)", r.superseded)
+	row("re-run after a claim lapsed in a Redis pause or a slow restart, or its owner reported it taken over before storing (Retry only)", r.superseded)
 	row("re-run after its sidecar was killed between answering and storing (Retry only)", r.lostWithSide)
 	row("replayed before a replica had it, then lost with its sidecar in a failover (must be 0)", r.replayedLost)
 	row("ran again before any answer: a take-over of a claim whose owner was killed or cut off for a lease (Retry only)", r.raced)

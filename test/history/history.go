@@ -78,6 +78,13 @@ type History struct {
 	Lapses []Window
 	// Kills: a sidecar was SIGKILLed, from the kill until it was back.
 	Kills []Window
+	// Reported: a sidecar logged that a claim it had answered under was
+	// taken over before it stored the result (its lease lapsed with the
+	// store in reach: the process did not renew in time, as on a starved
+	// machine), the window ending when it said so. Such a re-run is the
+	// trade-off of onAbandoned: Retry, counted with TakenOver; it never
+	// excuses a raced execution, so a claim the store lost still counts.
+	Reported []Window
 	// StoreRetrySlack, when set, replaces the package's StoreRetrySlack:
 	// stores whose writes fail for a while after an outage (a failover,
 	// until the new primary has its replicas) retry a result for longer.
@@ -266,6 +273,11 @@ func (h *History) takenOver(c Completion) bool {
 			return true
 		}
 	}
+	for _, w := range h.Reported {
+		if w.affects(c.Sidecar) && w.overlaps(c.From, c.At.Add(h.Lease)) {
+			return true
+		}
+	}
 	return false
 }
 
@@ -278,19 +290,21 @@ func (h *History) diedBeforeStoring(c Completion) bool {
 	if !h.Retry || c.Replayed {
 		return false
 	}
-	// The result is stored just after the answer, or, when the store is
-	// away then, once it is back and the engine's store-retry backoff
-	// (50ms, 200ms, 500ms, 1s, ... plus go-redis's own retries) comes
-	// round.
-	storedBy := c.At.Add(h.Lease)
+	// The engine stores the result as the handler writes the answer (it
+	// does not wait for the client to read it), so just after the
+	// answer's first byte, or, when the store is away then, once it is
+	// back and the engine's store-retry backoff (50ms, 200ms, 500ms, 1s,
+	// ... plus go-redis's own retries) comes round. A kill later than a
+	// lease after that cannot have lost it: a re-run is a duplicate.
+	answered := c.At
+	if !c.Answered.IsZero() && c.Answered.Before(answered) {
+		answered = c.Answered
+	}
+	storedBy := answered.Add(h.Lease)
 	for _, o := range h.Outages {
 		if o.affects(c.Sidecar) && o.overlaps(c.From, storedBy) && !o.To.IsZero() && o.To.Add(h.storeRetrySlack()).After(storedBy) {
 			storedBy = o.To.Add(h.storeRetrySlack())
 		}
-	}
-	answered := c.At
-	if !c.Answered.IsZero() && c.Answered.Before(answered) {
-		answered = c.Answered
 	}
 	for _, k := range h.Kills {
 		if k.Sidecar == c.Sidecar && !k.From.Before(answered) && k.From.Before(storedBy) {
