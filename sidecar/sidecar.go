@@ -369,7 +369,8 @@ func New(o Options) (*Sidecar, error) {
 		lt.TLSClientConfig = tlsConfig.Clone()
 	}
 	lh := toollist.NewHTTP(&http.Client{Timeout: 30 * time.Second, Transport: lt}, up, o.UpstreamHost)
-	lister := toollist.New(toollist.Options{Hints: eng.Hints(), List: lh.List, ListIn: lh.ListIn, Registerer: reg, Logger: log, Listed: eng.ReportAnnotations})
+	lister := toollist.New(toollist.Options{Hints: eng.Hints(), List: lh.List, ListIn: lh.ListIn, Registerer: reg, Logger: log, Listed: eng.ReportAnnotations,
+		OverBound: func() { eng.Metrics().OverLimit.WithLabelValues(engine.LimitToolsListContexts).Inc() }})
 	lh.OnChanged(lister.Changed)
 	return &Sidecar{spans: spans,
 		opts:      o,

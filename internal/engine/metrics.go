@@ -101,7 +101,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		}, []string{"where"}),
 		OverLimit: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "idemcp_over_limit_total",
-			Help: "Requests refused, or work skipped, because a caller, or all callers together, was over a bound: waiters_per_key, waiters_per_principal, streams_per_principal, streams_total, running_per_principal, running_total, tools_list_buffers.",
+			Help: "Requests refused, or work skipped, because a caller, or all callers together, was over a bound: waiters_per_key, waiters_per_principal, streams_per_principal, streams_total, running_per_principal, running_total, tools_list_buffers, tools_list_contexts.",
 		}, []string{"limit"}),
 		Running: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "idemcp_calls_running",
