@@ -9,6 +9,7 @@ import (
 
 	"github.com/idemcp/idemcp/internal/engine"
 	"github.com/idemcp/idemcp/internal/policy"
+	"github.com/idemcp/idemcp/internal/policywire"
 )
 
 // LoadPolicy compiles the policy given as a file or inline (the webhook's
@@ -55,7 +56,7 @@ func WithRetryWindow(p *policy.Policy, d time.Duration) (*policy.Policy, error) 
 
 // LegacyWriters is the --legacy-keys (IDEMCP_LEGACY_KEYS) of a sidecar
 // injected while pods without key spaces run under its policy.
-const LegacyWriters = "writers"
+const LegacyWriters = policywire.LegacyWritersFlag
 
 // ParseLegacyKeys reads --legacy-keys: LegacyWriters, an RFC 3339 time
 // (the deadline of the lookups under keys without the key space), or

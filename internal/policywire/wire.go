@@ -79,6 +79,21 @@ type LegacyKeys struct {
 	Until   time.Time `json:"until,omitzero"`
 }
 
+// LegacyWritersFlag is the sidecar's --legacy-keys while writers run.
+const LegacyWritersFlag = "writers"
+
+// Flag is l as the sidecar's --legacy-keys (IDEMCP_LEGACY_KEYS), which
+// the webhook sets: LegacyWritersFlag, the deadline in RFC 3339, or empty.
+func (l LegacyKeys) Flag() string {
+	switch {
+	case l.Writers:
+		return LegacyWritersFlag
+	case !l.Until.IsZero():
+		return l.Until.UTC().Format(time.RFC3339)
+	}
+	return ""
+}
+
 // LegacyKeysOf is the LegacyKeys of a policy's status (nil: none).
 func LegacyKeysOf(s *v1alpha1.LegacyKeysStatus) LegacyKeys {
 	var l LegacyKeys
