@@ -123,7 +123,12 @@ func (r *IdempotencyPolicyReconciler) Reconcile(ctx context.Context, req ctrl.Re
 		}
 	}
 
-	st := ownedStatus{ObservedGeneration: p.Generation}
+	// What the sidecars do with keys without a key space does not wait
+	// for a valid spec: the pods' keys are what they are.
+	st := ownedStatus{ObservedGeneration: p.Generation, LegacyKeys: p.Status.LegacyKeys}
+	if w := legacyWriters(pods); w > 0 {
+		st.LegacyKeys = &v1alpha1.LegacyKeysStatus{Writers: w}
+	}
 	compiled, err := policy.Compile(p.Spec)
 	if err != nil {
 		// Nothing of the previous generation stays: no hash, no store.
@@ -131,6 +136,11 @@ func (r *IdempotencyPolicyReconciler) Reconcile(ctx context.Context, req ctrl.Re
 		return ctrl.Result{}, r.writeStatus(ctx, &p, st)
 	}
 	st.PolicyHash = compiled.Hash
+	now := time.Now()
+	st.LegacyKeys = nextLegacyKeys(p.Status.LegacyKeys, legacyWriters(pods), legacyRetention(compiled), now)
+	if l := st.LegacyKeys; l != nil && l.Until != nil && (p.Status.LegacyKeys == nil || p.Status.LegacyKeys.Until == nil) {
+		logger.Info("No pod without a key space is left; sidecars use their key spaces, and look under the keys without one until the policy's records have expired", "until", l.Until.UTC())
+	}
 
 	store, requeue, err := r.reconcileStore(ctx, &p, pods)
 	var conflict *conflictError
@@ -159,6 +169,9 @@ func (r *IdempotencyPolicyReconciler) Reconcile(ctx context.Context, req ctrl.Re
 		st.Store = &v1alpha1.StoreStatus{Endpoint: store.endpoint, Image: store.image}
 	}
 	r.warnOnChange(&p, store)
+	if d := legacyRequeue(st.LegacyKeys, now); d > 0 && (requeue == 0 || d < requeue) {
+		requeue = d
+	}
 	if r.SidecarsUnobserved {
 		err = errors.Join(err, r.writeUnobservedSidecars(ctx, &p, compiled.Hash, pods))
 	}
@@ -177,7 +190,7 @@ func (r *IdempotencyPolicyReconciler) finalize(ctx context.Context, p *v1alpha1.
 			names = append(names, pod.Name)
 		}
 		slices.Sort(names)
-		st := ownedStatus{ObservedGeneration: p.Generation, PolicyHash: p.Status.PolicyHash, Store: p.Status.Store}
+		st := ownedStatus{ObservedGeneration: p.Generation, PolicyHash: p.Status.PolicyHash, Store: p.Status.Store, LegacyKeys: p.Status.LegacyKeys}
 		if c := meta.FindStatusCondition(p.Status.Conditions, v1alpha1.ConditionStoreReady); c != nil {
 			st.Conditions = append(st.Conditions, *c)
 		}
@@ -327,6 +340,8 @@ type ownedStatus struct {
 	Conditions         []metav1.Condition    `json:"conditions,omitempty"`
 	Store              *v1alpha1.StoreStatus `json:"store,omitempty"`
 	PolicyHash         string                `json:"policyHash,omitempty"`
+	// LegacyKeys is status.legacyKeys (legacykeys.go).
+	LegacyKeys *v1alpha1.LegacyKeysStatus `json:"legacyKeys,omitempty"`
 
 	// deleting, when set, is why a policy being deleted is still there.
 	deleting string `json:"-"`

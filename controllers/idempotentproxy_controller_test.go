@@ -18,6 +18,7 @@ import (
 	policyv1 "k8s.io/api/policy/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/util/retry"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
@@ -155,13 +156,17 @@ func TestIdempotentProxyObjects(t *testing.T) {
 		t.Errorf("Service ports %+v, want 8080 to the container port %s", svc.Spec.Ports, webhook.PortNameMCP)
 	}
 
-	// A spec change reaches the objects.
-	if err := k8s.Get(ctx, key, px); err != nil {
-		t.Fatal(err)
-	}
-	px.Spec.Replicas, px.Spec.Port = ptr.To[int32](3), 9000
-	px.Spec.Upstream.HostHeader = v1alpha1.HostClient
-	if err := k8s.Update(ctx, px); err != nil {
+	// A spec change reaches the objects. The controller patches the
+	// status (the upstream check, every second here) between a Get and an
+	// Update: retry on the conflict.
+	if err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		if err := k8s.Get(ctx, key, px); err != nil {
+			return err
+		}
+		px.Spec.Replicas, px.Spec.Port = ptr.To[int32](3), 9000
+		px.Spec.Upstream.HostHeader = v1alpha1.HostClient
+		return k8s.Update(ctx, px)
+	}); err != nil {
 		t.Fatal(err)
 	}
 	eventually(t, "the Deployment and Service follow the spec", func() error {
@@ -333,11 +338,13 @@ func TestIdempotentProxyUpstreamReachability(t *testing.T) {
 	if err := k8s.Create(ctx, cm); err != nil {
 		t.Fatal(err)
 	}
-	if err := k8s.Get(ctx, client.ObjectKeyFromObject(px), px); err != nil {
-		t.Fatal(err)
-	}
-	px.Spec.Upstream.TLS = &v1alpha1.UpstreamTLS{CABundle: &v1alpha1.CABundleSource{ConfigMapRef: &v1alpha1.ConfigMapKeyRef{Name: "upstream-ca", Key: "ca.crt"}}, ServerName: "example.com"}
-	if err := k8s.Update(ctx, px); err != nil {
+	if err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		if err := k8s.Get(ctx, client.ObjectKeyFromObject(px), px); err != nil {
+			return err
+		}
+		px.Spec.Upstream.TLS = &v1alpha1.UpstreamTLS{CABundle: &v1alpha1.CABundleSource{ConfigMapRef: &v1alpha1.ConfigMapKeyRef{Name: "upstream-ca", Key: "ca.crt"}}, ServerName: "example.com"}
+		return k8s.Update(ctx, px)
+	}); err != nil {
 		t.Fatal(err)
 	}
 	c = waitProxyCondition(t, ns, "remote", v1alpha1.ConditionUpstreamReachable, v1alpha1.ReasonReachable)

@@ -33,6 +33,7 @@ func TestEnvErrorsNameTheVariable(t *testing.T) {
 		{"IDEMCP_LOG_LEVEL", "loud", `IDEMCP_LOG_LEVEL: "loud" is not one of debug, info, warn, error`},
 		{"IDEMCP_LISTEN", "nonsense", "IDEMCP_LISTEN (--listen): listen tcp: address nonsense: missing port in address"},
 		{"IDEMCP_UPSTREAM_DIAL_IPS", "10.1.2.3,mcp.local", `IDEMCP_UPSTREAM_DIAL_IPS (--upstream-dial-ips): "mcp.local" is not an IP address`},
+		{"IDEMCP_LEGACY_KEYS", "soon", `IDEMCP_LEGACY_KEYS (--legacy-keys): "soon" is neither "writers" nor an RFC 3339 time, such as 2026-12-02T03:00:00Z`},
 	} {
 		t.Run(tc.env, func(t *testing.T) {
 			t.Setenv(tc.env, tc.value)
@@ -47,6 +48,32 @@ func TestEnvErrorsNameTheVariable(t *testing.T) {
 				t.Fatalf("got %v\nwant one containing %s", err, tc.want)
 			}
 		})
+	}
+}
+
+// TestLegacyKeysFlag: IDEMCP_LEGACY_KEYS, as the webhook sets it, is what
+// the engine starts with.
+func TestLegacyKeysFlag(t *testing.T) {
+	for v, want := range map[string]string{"writers": "writers", "2026-12-02T03:00:00Z": "until 2026-12-02T03:00:00Z", "": "none"} {
+		t.Setenv("IDEMCP_LEGACY_KEYS", v)
+		var o Options
+		if err := NewFlagSet(&o).Parse([]string{"--upstream", "http://127.0.0.1:1", "--admin-listen", "", "--key-space", "Deployment/api"}); err != nil {
+			t.Fatal(err)
+		}
+		s, err := New(o)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got := "none"
+		switch l := s.Engine().LegacyKeys(); {
+		case l.Writers:
+			got = "writers"
+		case !l.Until.IsZero():
+			got = "until " + l.Until.UTC().Format(time.RFC3339)
+		}
+		if got != want {
+			t.Errorf("IDEMCP_LEGACY_KEYS=%q: the engine has %s, want %s", v, got, want)
+		}
 	}
 }
 

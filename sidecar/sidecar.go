@@ -54,7 +54,10 @@ type Options struct {
 	// UpstreamTLS configures TLS to an https:// upstream (upstreamtls.go).
 	UpstreamTLS UpstreamTLSOptions
 	// KeySpace is the MCP server the keys belong to (engine.Options).
-	KeySpace   string
+	KeySpace string
+	// LegacyKeys is what the sidecar starts with for keys without its key
+	// space (ParseLegacyKeys); the policy stream brings every change.
+	LegacyKeys string
 	PolicyFile string
 	// RetryWindow, when not 0, overrides the policy's spec.retryWindow
 	// (--retry-window), for a sidecar run without a manager.
@@ -128,6 +131,7 @@ func (o *Options) Flags(fs *flag.FlagSet) {
 	fs.StringVar(&o.UpstreamHost, "upstream-host", "", "the Host of the sidecar's own tool listing, for a server that allows only its public host names (such as mcp.shop.svc); then only tools/list responses to requests with this Host teach defaultMode Auto (empty: --upstream's host, and any Host)")
 	o.upstreamFlags(fs)
 	fs.StringVar(&o.KeySpace, "key-space", "", "the MCP server the keys belong to, part of every key: the webhook sets the pod's workload (Deployment/NAME), or the idemcp.io/key-space annotation's value, so that two workloads under one policy never replay each other's results (empty: keys of no workload; run by hand, the store's key prefix names the upstream instead)")
+	fs.StringVar(&o.LegacyKeys, "legacy-keys", "", "what to do with keys without --key-space, made by pods of an idemcp before key spaces (the webhook sets the policy's status.legacyKeys): \"writers\" (such pods still run: derive keys without the key space, as they do), an RFC 3339 time (none is left: until then, a call not found under its key is looked for under the key without the key space), or empty (none)")
 	fs.StringVar(&o.PolicyFile, "policy-file", "", "an IdempotencyPolicy YAML file; only its spec is used (default: Memory store, Session scope, Auto, 24h TTL, 10m retry window)")
 	fs.StringVar(&o.Policy, "policy", "", "an inline IdempotencyPolicy manifest (YAML or JSON), as the webhook injects it; exclusive with --policy-file")
 	fs.DurationVar(&o.RetryWindow, "retry-window", 0, policy.RetryWindowFlag)
@@ -232,6 +236,10 @@ func New(o Options) (*Sidecar, error) {
 	if err != nil {
 		return nil, err
 	}
+	legacy, err := ParseLegacyKeys(o.LegacyKeys)
+	if err != nil {
+		return nil, err
+	}
 	if o.RetryWindow != 0 && o.Push.Endpoint != "" {
 		return nil, errors.New("--retry-window is for a sidecar without a manager; with --policy-endpoint set spec.retryWindow in the IdempotencyPolicy instead")
 	}
@@ -256,6 +264,7 @@ func New(o Options) (*Sidecar, error) {
 		MaxWaitersPerKey: o.Limits.MaxWaitersPerKey, MaxWaitersPerPrincipal: o.Limits.MaxWaitersPerPrincipal,
 		MaxRunningPerPrincipal: o.Limits.MaxRunningPerPrincipal, MaxRunning: o.Limits.MaxRunning,
 		Pod: os.Getenv("POD_NAME")})
+	eng.SetLegacyKeys(legacy)
 	// Every connection to the MCP server goes through one dialer, which
 	// remembers the address that answers.
 	dialer := httpproxy.NewUpstreamDialer(up, dialIPs, log)
@@ -286,7 +295,8 @@ func New(o Options) (*Sidecar, error) {
 		lt.TLSClientConfig = tlsConfig.Clone()
 	}
 	lh := toollist.NewHTTP(&http.Client{Timeout: 30 * time.Second, Transport: lt}, up, o.UpstreamHost)
-	lister := toollist.New(toollist.Options{Hints: eng.Hints(), List: lh.List, ListIn: lh.ListIn, Registerer: reg, Logger: log, Listed: eng.ReportAnnotations})
+	lister := toollist.New(toollist.Options{Hints: eng.Hints(), List: lh.List, ListIn: lh.ListIn, Registerer: reg, Logger: log, Listed: eng.ReportAnnotations,
+		OverBound: func() { eng.Metrics().OverLimit.WithLabelValues(engine.LimitToolsListContexts).Inc() }})
 	lh.OnChanged(lister.Changed)
 	return &Sidecar{spans: spans,
 		opts:      o,

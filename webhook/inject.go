@@ -19,6 +19,7 @@ import (
 	"github.com/idemcp/idemcp/internal/credentials"
 	"github.com/idemcp/idemcp/internal/managedredis"
 	"github.com/idemcp/idemcp/internal/policy"
+	"github.com/idemcp/idemcp/internal/policywire"
 )
 
 // Annotations and labels users and the webhook write on pods.
@@ -67,6 +68,12 @@ const EnvUpstreamDialIPs = "IDEMCP_UPSTREAM_DIAL_IPS"
 
 // EnvKeySpace is the sidecar's --key-space (keyspace.go).
 const EnvKeySpace = "IDEMCP_KEY_SPACE"
+
+// EnvLegacyKeys is the sidecar's --legacy-keys: the policy's
+// status.legacyKeys when the pod is injected, so that a new pod derives
+// its keys as the pods without key spaces still running do, or looks
+// under their keys, from its first call, with or without a manager.
+const EnvLegacyKeys = "IDEMCP_LEGACY_KEYS"
 
 // MaxPolicySnapshotBytes is the largest IDEMCP_POLICY value: Linux caps one
 // environment string ("NAME=value" and its NUL) at 128 KiB, and a container
@@ -288,6 +295,9 @@ func Inject(pod *corev1.Pod, p *v1alpha1.IdempotencyPolicy, policyHash string, c
 	// Part of every key: two workloads under one policy never replay
 	// each other's results.
 	c.Env = append(c.Env, corev1.EnvVar{Name: EnvKeySpace, Value: keySpace})
+	if v := policywire.LegacyKeysOf(p.Status.LegacyKeys).Flag(); v != "" {
+		c.Env = append(c.Env, corev1.EnvVar{Name: EnvLegacyKeys, Value: v})
+	}
 	c.Resources = res
 	c.Env = append(c.Env, memoryEnv(out, res, cfg)...)
 	if native {

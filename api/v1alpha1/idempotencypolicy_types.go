@@ -403,6 +403,31 @@ type IdempotencyPolicyStatus struct {
 	// ToolsOmitted counts the tools seen beyond those listed in tools.
 	// +optional
 	ToolsOmitted int32 `json:"toolsOmitted,omitempty"`
+
+	// LegacyKeys is set while records made without a key space (by pods an
+	// idemcp before key spaces injected) may still be wanted: while such
+	// pods run, and then until the longest a record is kept has passed.
+	// Absent: every key has its key space (a fresh install, or the
+	// upgrade's records have all expired).
+	// +optional
+	LegacyKeys *LegacyKeysStatus `json:"legacyKeys,omitempty"`
+}
+
+// LegacyKeysStatus is what the controller pushes to the sidecars about
+// keys without a key space.
+type LegacyKeysStatus struct {
+	// Writers counts the live pods of the policy whose sidecar has no key
+	// space. While any run, every sidecar derives its keys without its key
+	// space, as theirs do, so a retry moved between an old pod and a new
+	// one, either way, finds its record.
+	// +optional
+	Writers int32 `json:"writers,omitempty"`
+	// Until is set when the last such pod is gone: the time then plus the
+	// policy's longest ttl and leaseDuration. Until it, sidecars use their
+	// key spaces, and a call not found under its key is looked for under
+	// the key it had without one.
+	// +optional
+	Until *metav1.Time `json:"until,omitempty"`
 }
 
 // ToolStatus is what the sidecars decided for one tool.

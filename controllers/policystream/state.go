@@ -40,6 +40,10 @@ type snapshot struct {
 	version string
 	policy  *v1alpha1.IdempotencyPolicy
 	order   policywire.Order
+	// legacy is the policy's status.legacyKeys: not part of the version
+	// (the spec's hash), so a change of it alone is sent as the same
+	// version again.
+	legacy policywire.LegacyKeys
 }
 
 // encodedSnapshot is a snapshot as it goes on the wire, encoded once for
@@ -48,22 +52,24 @@ type snapshot struct {
 type encodedSnapshot struct {
 	version, ca, nonce string
 	order              policywire.Order
+	legacy             policywire.LegacyKeys
 	line               []byte
 }
 
 // encoded returns st's snapshot with ca, encoding it if it changed; the
 // caller holds Server.mu.
 func (st *policyState) encoded(ca string, nonces *atomic.Uint64) (*encodedSnapshot, error) {
-	if e := st.enc; e != nil && e.version == st.snap.version && e.ca == ca && e.order.Equal(st.snap.order) {
+	if e := st.enc; e != nil && e.version == st.snap.version && e.ca == ca && e.order.Equal(st.snap.order) && sameLegacy(e.legacy, st.snap.legacy) {
 		return e, nil
 	}
 	nonce := strconv.FormatUint(nonces.Add(1), 10)
 	order := st.snap.order
-	line, err := json.Marshal(policywire.Snapshot{Version: st.snap.version, Nonce: nonce, Policy: st.snap.policy, CABundle: ca, Order: &order})
+	legacy := st.snap.legacy
+	line, err := json.Marshal(policywire.Snapshot{Version: st.snap.version, Nonce: nonce, Policy: st.snap.policy, CABundle: ca, Order: &order, LegacyKeys: &legacy})
 	if err != nil {
 		return nil, err
 	}
-	st.enc = &encodedSnapshot{version: st.snap.version, ca: ca, nonce: nonce, order: order, line: append(line, '\n')}
+	st.enc = &encodedSnapshot{version: st.snap.version, ca: ca, nonce: nonce, order: order, legacy: legacy, line: append(line, '\n')}
 	return st.enc, nil
 }
 
@@ -155,16 +161,17 @@ func (s *Server) observePolicy(o any) {
 		st.forget(st.snap.order.UID) // replaced: deleted and created again
 	}
 	st.generation = p.Generation
+	legacy := policywire.LegacyKeysOf(p.Status.LegacyKeys)
 	if st.snap != nil && st.snap.version == compiled.Hash {
-		if !st.snap.order.Equal(order) {
-			st.snap = &snapshot{version: st.snap.version, policy: st.snap.policy, order: order}
+		if !st.snap.order.Equal(order) || !sameLegacy(st.snap.legacy, legacy) {
+			st.snap = &snapshot{version: st.snap.version, policy: st.snap.policy, order: order, legacy: legacy}
 			for c := range st.streams {
 				poke(c.notify)
 			}
 		}
 		return
 	}
-	st.snap = &snapshot{version: compiled.Hash, order: order, policy: &v1alpha1.IdempotencyPolicy{
+	st.snap = &snapshot{version: compiled.Hash, order: order, legacy: legacy, policy: &v1alpha1.IdempotencyPolicy{
 		TypeMeta:   p.TypeMeta,
 		ObjectMeta: objectMeta(p),
 		Spec:       compiled.Spec,
@@ -173,6 +180,11 @@ func (s *Server) observePolicy(o any) {
 	for c := range st.streams {
 		poke(c.notify)
 	}
+}
+
+// sameLegacy reports whether a and b say the same of legacy keys.
+func sameLegacy(a, b policywire.LegacyKeys) bool {
+	return a.Writers == b.Writers && a.Until.Equal(b.Until)
 }
 
 func (s *Server) forgetPolicy(o any) {

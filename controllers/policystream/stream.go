@@ -31,6 +31,7 @@ type stream struct {
 	sentVersion string
 	sentOrder   policywire.Order
 	sentCA      string
+	sentLegacy  policywire.LegacyKeys
 	lastNonce   string
 	report      policywire.Report
 	// keys carries KeysRequests to write, besides snapshots; done is
@@ -142,7 +143,7 @@ func (s *Server) serveStream(w http.ResponseWriter, r *http.Request) {
 		}
 		s.mu.Lock()
 		snap, ca := st.snap, *s.ca.Load()
-		send := snap != nil && (snap.version != c.sentVersion || !snap.order.Equal(c.sentOrder) || ca != c.sentCA)
+		send := snap != nil && (snap.version != c.sentVersion || !snap.order.Equal(c.sentOrder) || ca != c.sentCA || !sameLegacy(snap.legacy, c.sentLegacy))
 		var line []byte
 		if send {
 			enc, err := st.encoded(ca, &s.nonce)
@@ -154,7 +155,7 @@ func (s *Server) serveStream(w http.ResponseWriter, r *http.Request) {
 			if snap.version != c.sentVersion {
 				c.pendingVersion, c.pendingSince = snap.version, time.Now()
 			}
-			c.sentVersion, c.sentOrder, c.sentCA, c.lastNonce = snap.version, snap.order, ca, enc.nonce
+			c.sentVersion, c.sentOrder, c.sentCA, c.sentLegacy, c.lastNonce = snap.version, snap.order, ca, snap.legacy, enc.nonce
 			line = enc.line
 			if c.push != nil {
 				c.push.SetAttributes(attribute.String("idemcp.push.result", "superseded"))

@@ -60,6 +60,9 @@ type Engine struct {
 	// earlier are the policies in force before the current one, newest
 	// first, while records made under them may still be kept (history.go).
 	earlier atomic.Pointer[[]earlierPolicy]
+	// legacy is what the controller said of keys without the key space
+	// (nil: none are wanted; legacy.go).
+	legacy atomic.Pointer[LegacyKeys]
 
 	unscoped     atomic.Uint64
 	unscopedOnce sync.Once
@@ -293,10 +296,11 @@ func (e *Engine) PlanCall(ctx context.Context, tc *ToolCall, c Caller) (*Plan, e
 		traceOutcome(ctx, tracing.OutcomeRejected)
 		return nil, err
 	}
+	space, other, alt := e.keySpaces(time.Now())
 	plan := &Plan{
 		Tool:        tc.Name,
-		Key:         deriveKey(e.keySpace, rule, c, explicit, fp),
-		earlier:     e.earlierKeys(tc, c, explicit),
+		Key:         deriveKey(space, rule, c, explicit, fp),
+		earlier:     e.earlierKeys(tc, c, explicit, space, other, alt),
 		Fingerprint: fp,
 		Explicit:    explicit != "",
 		Rule:        rule,
@@ -330,6 +334,12 @@ type Upstream struct {
 	// answers the client, then calls Later once, detached, and settles with
 	// what it returns.
 	Later func(ctx context.Context) (Upstream, error)
+}
+
+// keyConflict is the answer to an explicit key reused with other arguments.
+func keyConflict(tool string) *Error {
+	return &Error{Code: mcpmsg.CodeKeyConflict, Message: fmt.Sprintf(
+		"idempotency key conflict: this key was already used for a call with different arguments (tool %q); use a new key for a new operation", tool)}
 }
 
 // ErrOutcomeUnknown is returned by a Forward or a Later when the call may
@@ -404,8 +414,7 @@ func (e *Engine) Execute(ctx context.Context, p *Plan, fwd Forward) (Outcome, er
 		// its first call completed, runs or was abandoned.
 		e.countCall(OutcomeRejected, p.Tool)
 		traceOutcome(ctx, tracing.OutcomeConflict)
-		return Outcome{}, &Error{Code: mcpmsg.CodeKeyConflict, Message: fmt.Sprintf(
-			"idempotency key conflict: this key was already used for a call with different arguments (tool %q); use a new key for a new operation", p.Tool)}
+		return Outcome{}, keyConflict(p.Tool)
 	case errors.Is(err, claim.ErrInFlight):
 		e.countCall(OutcomeRejected, p.Tool)
 		traceOutcome(ctx, tracing.OutcomeInFlight)

@@ -11,6 +11,7 @@ import (
 	"github.com/idemcp/idemcp/internal/mcpmsg"
 	"github.com/idemcp/idemcp/internal/policy"
 	"github.com/idemcp/idemcp/internal/store"
+	"github.com/idemcp/idemcp/internal/tracing"
 )
 
 // A live policy change must never make a retry of a stored call run
@@ -31,11 +32,19 @@ type earlierPolicy struct {
 	replaced time.Time
 }
 
-// earlierKey is where a call's record may be under an earlier policy.
+// earlierKey is where a call's record may be under an earlier policy, or
+// in the other key space (legacy.go).
 type earlierKey struct {
 	key, fingerprint string
 	lease            time.Duration
 	takeOver         bool
+	// legacy: the key is in the other key space.
+	legacy bool
+	// conflicts: the fingerprint is the call's own now, so a record of
+	// other arguments under the key is the explicit key reused, refused
+	// as under the key now. Under an earlier policy, other arguments may
+	// be the same call's (ignoreArguments changed): the key now decides.
+	conflicts bool
 }
 
 // remember keeps p, replaced at now, and forgets the policies whose
@@ -71,19 +80,35 @@ func longestRetention(p *policy.Policy) time.Duration {
 }
 
 // earlierKeys are the keys and fingerprints the call had under the
-// earlier policies, where they differ from its key now and records made
-// under that policy may still be kept.
-func (e *Engine) earlierKeys(tc *ToolCall, c Caller, explicit string) []earlierKey {
+// earlier policies, and in the other key space when alt (legacy.go),
+// where they differ from its key now (derived in space) and records made
+// there may still be kept.
+func (e *Engine) earlierKeys(tc *ToolCall, c Caller, explicit, space, other string, alt bool) []earlierKey {
 	list := e.earlier.Load()
-	if list == nil {
+	if list == nil && !alt {
 		return nil
 	}
 	now := time.Now()
 	var out []earlierKey
 	seen := map[string]bool{}
-	cur := e.policy.Load().RuleFor(tc.Name)
+	p := e.policy.Load()
+	cur := p.RuleFor(tc.Name)
 	curFP, _ := Fingerprint(tc.Name, tc.Arguments, cur.IgnoreArguments)
-	seen[deriveKey(e.keySpace, cur, c, explicit, curFP)+"\x00"+curFP] = true
+	seen[deriveKey(space, cur, c, explicit, curFP)+"\x00"+curFP] = true
+	spaces := []string{space}
+	if alt {
+		// The policy now, in the other key space: the fingerprint is the
+		// call's own, so a record of other arguments under its explicit
+		// key is a conflict there as here.
+		k := deriveKey(other, cur, c, explicit, curFP)
+		seen[k+"\x00"+curFP] = true
+		out = append(out, earlierKey{key: k, fingerprint: curFP, lease: p.LeaseDuration,
+			takeOver: cur.OnAbandoned != v1alpha1.AbandonedError, legacy: true, conflicts: true})
+		spaces = append(spaces, other)
+	}
+	if list == nil {
+		return out
+	}
 	for _, ep := range *list {
 		r := ep.policy.RuleFor(tc.Name)
 		if r.Mode == v1alpha1.ModePassthrough {
@@ -103,12 +128,15 @@ func (e *Engine) earlierKeys(tc *ToolCall, c Caller, explicit string) []earlierK
 		if err != nil {
 			continue
 		}
-		k := deriveKey(e.keySpace, r, c, explicit, fp)
-		if seen[k+"\x00"+fp] {
-			continue
+		for i, ks := range spaces {
+			k := deriveKey(ks, r, c, explicit, fp)
+			if seen[k+"\x00"+fp] {
+				continue
+			}
+			seen[k+"\x00"+fp] = true
+			out = append(out, earlierKey{key: k, fingerprint: fp, lease: ep.policy.LeaseDuration,
+				takeOver: r.OnAbandoned != v1alpha1.AbandonedError, legacy: i > 0})
 		}
-		seen[k+"\x00"+fp] = true
-		out = append(out, earlierKey{key: k, fingerprint: fp, lease: ep.policy.LeaseDuration, takeOver: r.OnAbandoned != v1alpha1.AbandonedError})
 	}
 	return out
 }
@@ -136,14 +164,22 @@ func (e *Engine) findEarlier(ctx context.Context, p *Plan, fwd Forward) (out Out
 		r, rerr := e.claims.Reserve(ctx, c, w)
 		switch {
 		case rerr == nil:
+		case errors.Is(rerr, claim.ErrConflict) && ek.conflicts:
+			e.countCall(OutcomeRejected, p.Tool)
+			traceOutcome(ctx, tracing.OutcomeConflict)
+			return Outcome{}, keyConflict(p.Tool), true
 		case errors.Is(rerr, claim.ErrConflict):
 			// Another call's record (an explicit key reused with other
 			// arguments): the key now decides.
 			continue
 		case errors.Is(rerr, claim.ErrInFlight) || errors.Is(rerr, claim.ErrWaitTimeout):
 			e.countCall(OutcomeRejected, p.Tool)
+			made := "made before the policy changed"
+			if ek.legacy {
+				made = "stored under its key of the other key derivation (an upgrade from an idemcp without key spaces is under way)"
+			}
 			return Outcome{}, &Error{Code: mcpmsg.CodeInFlight, Message: "a call to " + strconv.Quote(p.Tool) +
-				" with this key, made before the policy changed, is still running; retry later to get its result"}, true
+				" with this key, " + made + ", is still running; retry later to get its result"}, true
 		default:
 			// The store failed, or ctx ended: nothing says the earlier key
 			// holds no result, so going on under the key now could run
@@ -171,7 +207,11 @@ func (e *Engine) findEarlier(ctx context.Context, p *Plan, fwd Forward) (out Out
 					" with this key created a task in another MCP session, and a task can be read only in the session that created it; it is not run again"}, true
 			}
 			e.countCall(OutcomeReplayed, p.Tool)
-			e.metrics.EarlierReplays.Inc()
+			if ek.legacy {
+				e.metrics.LegacyReplays.Inc()
+			} else {
+				e.metrics.EarlierReplays.Inc()
+			}
 			return Outcome{Kind: Replayed, Response: resp}, nil, true
 		default: // store.Abandoned
 			e.countCall(OutcomeRejected, p.Tool)

@@ -43,6 +43,9 @@ const (
 	LimitRunningPerPrincipal = "running_per_principal"
 	LimitRunningTotal        = "running_total"
 	LimitToolsListBuffers    = "tools_list_buffers"
+	// LimitToolsListContexts: a listing in a caller's context not made
+	// because the listings in flight were at their bound.
+	LimitToolsListContexts = "tools_list_contexts"
 )
 
 // Tenant names who a caller is for the bounds that keep one caller from

@@ -19,6 +19,9 @@ type Metrics struct {
 	// EarlierReplays counts replays found under the key a call had before
 	// a policy change moved it (history.go).
 	EarlierReplays prometheus.Counter
+	// LegacyReplays counts replays found under the key a call had in the
+	// other key space, during an upgrade to key spaces (legacy.go).
+	LegacyReplays prometheus.Counter
 	// CallsByTool is Calls by tool as well: idemcp_tool_calls_by_tool_total.
 	// Its tool label is bounded (see toolLabel).
 	CallsByTool *prometheus.CounterVec
@@ -101,7 +104,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		}, []string{"where"}),
 		OverLimit: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "idemcp_over_limit_total",
-			Help: "Requests refused, or work skipped, because a caller, or all callers together, was over a bound: waiters_per_key, waiters_per_principal, streams_per_principal, streams_total, running_per_principal, running_total, tools_list_buffers.",
+			Help: "Requests refused, or work skipped, because a caller, or all callers together, was over a bound: waiters_per_key, waiters_per_principal, streams_per_principal, streams_total, running_per_principal, running_total, tools_list_buffers, tools_list_contexts.",
 		}, []string{"limit"}),
 		Running: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "idemcp_calls_running",
@@ -110,6 +113,10 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		EarlierReplays: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "idemcp_replays_under_earlier_policy_total",
 			Help: "Retries replayed from the key they had under an earlier policy, because a live change of keyScope or ignoreArguments moved their key; they are also counted as replayed.",
+		}),
+		LegacyReplays: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "idemcp_replays_under_legacy_keys_total",
+			Help: "Retries replayed from the key they had in the other key derivation (with or without the sidecar's key space) while an upgrade from an idemcp without key spaces is under way; they are also counted as replayed.",
 		}),
 		CallsByTool: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "idemcp_tool_calls_by_tool_total",
@@ -122,7 +129,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		}),
 	}
 	if reg != nil {
-		reg.MustRegister(m.Calls, m.Classified, m.NotStored, m.StoreErrors, m.TakeOvers, m.Panics, m.OverLimit, m.Running, m.EarlierReplays, m.CallsByTool, m.AddedLatency)
+		reg.MustRegister(m.Calls, m.Classified, m.NotStored, m.StoreErrors, m.TakeOvers, m.Panics, m.OverLimit, m.Running, m.EarlierReplays, m.LegacyReplays, m.CallsByTool, m.AddedLatency)
 	}
 	return m
 }

@@ -57,12 +57,54 @@ type Snapshot struct {
 	// behind). Nil from managers before it was added: such a Snapshot is
 	// applied as it comes.
 	Order *Order `json:"order,omitempty"`
+	// LegacyKeys is what the sidecar does with keys without its key space
+	// (the policy's status.legacyKeys). A manager that knows of them
+	// always sends it, empty when none are wanted; nil, from a manager
+	// before them, leaves what the sidecar knows as it is.
+	LegacyKeys *LegacyKeys `json:"legacyKeys,omitempty"`
 	// Keys, when set, makes this line a request about the sidecar's own
 	// records (kubectl idemcp keys, for the Memory store) instead of a
 	// policy: the other fields are empty, and the sidecar answers with a
 	// Report whose KeysReply carries the same ID. The manager sends it
 	// only to sidecars whose Reports say Keys.
 	Keys *KeysRequest `json:"keys,omitempty"`
+}
+
+// LegacyKeys is status.legacyKeys as the sidecars get it: while Writers
+// (pods without key spaces run under the policy), sidecars derive their
+// keys without their key space; after, until Until, a call not found
+// under its key is looked for under the key it had without one.
+type LegacyKeys struct {
+	Writers bool      `json:"writers,omitempty"`
+	Until   time.Time `json:"until,omitzero"`
+}
+
+// LegacyWritersFlag is the sidecar's --legacy-keys while writers run.
+const LegacyWritersFlag = "writers"
+
+// Flag is l as the sidecar's --legacy-keys (IDEMCP_LEGACY_KEYS), which
+// the webhook sets: LegacyWritersFlag, the deadline in RFC 3339, or empty.
+func (l LegacyKeys) Flag() string {
+	switch {
+	case l.Writers:
+		return LegacyWritersFlag
+	case !l.Until.IsZero():
+		return l.Until.UTC().Format(time.RFC3339)
+	}
+	return ""
+}
+
+// LegacyKeysOf is the LegacyKeys of a policy's status (nil: none).
+func LegacyKeysOf(s *v1alpha1.LegacyKeysStatus) LegacyKeys {
+	var l LegacyKeys
+	if s == nil {
+		return l
+	}
+	l.Writers = s.Writers > 0
+	if !l.Writers && s.Until != nil {
+		l.Until = s.Until.UTC()
+	}
+	return l
 }
 
 // Key operations of a KeysRequest.

@@ -24,6 +24,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/idemcp/idemcp/internal/engine"
 	"github.com/idemcp/idemcp/internal/policy"
 	"github.com/idemcp/idemcp/internal/policywire"
 	"github.com/idemcp/idemcp/internal/store"
@@ -39,6 +40,14 @@ type Engine interface {
 // without dedup because they had no scope; the count rides on every report.
 type UnscopedCounter interface {
 	UnscopedCalls() uint64
+}
+
+// LegacyKeySetter is implemented by an engine that keys its calls in a
+// key space, told by the manager what to do with keys without it
+// (engine.LegacyKeys).
+type LegacyKeySetter interface {
+	SetLegacyKeys(engine.LegacyKeys)
+	LegacyKeys() engine.LegacyKeys
 }
 
 // ToolReporter is implemented by an engine that reports what it decided
@@ -514,6 +523,13 @@ func (c *Client) apply(snap *policywire.Snapshot) (restart, nack string) {
 			c.o.OnApply(p)
 		}
 		c.log.Info("Applied policy", "policy", c.o.Namespace+"/"+c.o.Name, "hash", p.Hash, "restartRequired", restart != "")
+	}
+	if ls, ok := c.o.Engine.(LegacyKeySetter); ok && snap.LegacyKeys != nil {
+		l := engine.LegacyKeys{Writers: snap.LegacyKeys.Writers, Until: snap.LegacyKeys.Until}
+		if was := ls.LegacyKeys(); was.Writers != l.Writers || !was.Until.Equal(l.Until) {
+			ls.SetLegacyKeys(l)
+			c.log.Info("Applied the policy's legacy keys", "policy", c.o.Namespace+"/"+c.o.Name, "legacyWriters", l.Writers, "legacyKeysUntil", l.Until)
+		}
 	}
 	select {
 	case <-c.applied:

@@ -48,6 +48,14 @@ type Options struct {
 	// client's capabilities and credentials), for a tool the sidecar's
 	// own listing does not name.
 	ListIn func(ctx context.Context, hints *engine.ToolHints, lc engine.ListingContext) error
+	// MaxContextListings bounds the listings in callers' contexts in
+	// flight at once, all contexts together (default 16): each is a
+	// session on the server, and a client that names unknown tools under
+	// many credentials must not multiply them.
+	MaxContextListings int
+	// OverBound, when set, is called for each listing in a caller's
+	// context not started because MaxContextListings were in flight.
+	OverBound func()
 }
 
 // maxContexts bounds the callers' contexts whose listings are kept.
@@ -55,6 +63,9 @@ const maxContexts = 256
 
 // contextTTL is how long a listing in a caller's context is reused.
 const contextTTL = time.Minute
+
+// DefaultMaxContextListings is Options.MaxContextListings's default.
+const DefaultMaxContextListings = 16
 
 // contextListing is one listing in a caller's context.
 type contextListing struct {
@@ -76,7 +87,9 @@ type Lister struct {
 	failing bool          // whether the last listing failed (warned once)
 	base    context.Context
 
-	contexts map[string]*contextListing // by contextKey
+	contexts  map[string]*contextListing // by contextKey
+	inContext int                        // listings in callers' contexts in flight
+	bounded   bool                       // whether the bound was reported (warned once)
 }
 
 // contextKey names a caller's context by a hash: credentials are never
@@ -93,7 +106,9 @@ func contextKey(lc engine.ListingContext) string {
 
 // LearnIn implements engine.ContextLearner: it lists the tools in lc's
 // context, or joins the listing of the same context made less than
-// contextTTL ago, and waits for it at most Wait.
+// contextTTL ago, and waits for it at most Wait. With MaxContextListings
+// in flight it starts none and returns nil at once: the call's tool is
+// unknown, so Auto deduplicates it, as it does any tool no listing names.
 func (l *Lister) LearnIn(lc engine.ListingContext) *engine.ToolHints {
 	if l.o.ListIn == nil {
 		return nil
@@ -102,6 +117,18 @@ func (l *Lister) LearnIn(lc engine.ListingContext) *engine.ToolHints {
 	now := time.Now()
 	l.mu.Lock()
 	c := l.contexts[key]
+	if (c == nil || now.Sub(c.at) > contextTTL) && l.inContext >= l.o.MaxContextListings {
+		warn := !l.bounded
+		l.bounded = true
+		l.mu.Unlock()
+		if l.o.OverBound != nil {
+			l.o.OverBound()
+		}
+		if warn {
+			l.o.Logger.Warn("Listings of the MCP server's tools in callers' contexts are at their bound; a call to a tool no listing named is deduplicated without one", "bound", l.o.MaxContextListings)
+		}
+		return nil
+	}
 	if c == nil || now.Sub(c.at) > contextTTL {
 		if l.contexts == nil || len(l.contexts) >= maxContexts {
 			for k, old := range l.contexts {
@@ -115,9 +142,15 @@ func (l *Lister) LearnIn(lc engine.ListingContext) *engine.ToolHints {
 		}
 		c = &contextListing{hints: engine.NewToolHints(), done: make(chan struct{}), at: now}
 		l.contexts[key] = c
+		l.inContext++
 		base := l.base
 		go func() {
 			defer close(c.done)
+			defer func() {
+				l.mu.Lock()
+				l.inContext--
+				l.mu.Unlock()
+			}()
 			defer func() { _ = recover() }() // what a server sends never ends the process
 			ctx, cancel := context.WithTimeout(base, l.o.Timeout)
 			defer cancel()
@@ -146,6 +179,9 @@ func New(o Options) *Lister {
 	}
 	if o.Timeout <= 0 {
 		o.Timeout = 10 * time.Second
+	}
+	if o.MaxContextListings <= 0 {
+		o.MaxContextListings = DefaultMaxContextListings
 	}
 	if o.Logger == nil {
 		o.Logger = slog.New(slog.DiscardHandler)

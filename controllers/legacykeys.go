@@ -1,0 +1,72 @@
+package controllers
+
+import (
+	"time"
+
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/idemcp/idemcp/api/v1alpha1"
+	"github.com/idemcp/idemcp/internal/policy"
+)
+
+// Pods injected by an idemcp before key spaces derive their keys without
+// one. While any runs, status.legacyKeys.writers counts them, and every
+// sidecar derives its keys as they do; once none is left, until says how
+// long sidecars still look under those keys: as long as the policy keeps
+// a record, from then. The sidecars get it on the policy stream, and a new
+// pod from the webhook (IDEMCP_LEGACY_KEYS).
+
+// legacyWriters counts the pods whose sidecar derives keys without a key
+// space and shares the policy's store prefix (an IdempotentProxy's pods
+// have a prefix of their own).
+func legacyWriters(pods *policyPods) int32 {
+	var n int32
+	for _, pod := range pods.live {
+		if pod.Labels[v1alpha1.LabelProxy] == "" && !hasKeySpace(pod) {
+			n++
+		}
+	}
+	return n
+}
+
+// legacyRetention is the longest a record of p is kept, its lease
+// included; the margin covers the clocks of the manager and the sidecars,
+// which compare the deadline.
+func legacyRetention(p *policy.Policy) time.Duration {
+	return p.LongestTTL() + p.LeaseDuration + legacyClockMargin
+}
+
+// legacyClockMargin is added to the deadline of the lookups under legacy
+// keys: a sidecar whose clock is ahead must not stop before the last
+// record expires.
+const legacyClockMargin = time.Minute
+
+// nextLegacyKeys is status.legacyKeys, given what it was, the writers
+// running now and the policy's retention: writers while there are any;
+// the deadline set once, when the last one is seen gone; nothing once the
+// deadline has passed, or if no writer was ever seen (a fresh install
+// never looks under another key).
+func nextLegacyKeys(prev *v1alpha1.LegacyKeysStatus, writers int32, retention time.Duration, now time.Time) *v1alpha1.LegacyKeysStatus {
+	switch {
+	case writers > 0:
+		return &v1alpha1.LegacyKeysStatus{Writers: writers}
+	case prev == nil:
+		return nil
+	case prev.Writers > 0:
+		// The status keeps whole seconds: round up.
+		until := metav1.NewTime(now.Add(retention + time.Second).Truncate(time.Second))
+		return &v1alpha1.LegacyKeysStatus{Until: &until}
+	case prev.Until != nil && now.Before(prev.Until.Time):
+		return &v1alpha1.LegacyKeysStatus{Until: prev.Until.DeepCopy()}
+	}
+	return nil
+}
+
+// legacyRequeue is how soon the status must drop a deadline that will
+// have passed (0: none to drop).
+func legacyRequeue(l *v1alpha1.LegacyKeysStatus, now time.Time) time.Duration {
+	if l == nil || l.Until == nil {
+		return 0
+	}
+	return max(l.Until.Sub(now)+time.Second, time.Second)
+}

@@ -1,0 +1,119 @@
+package controllers_test
+
+import (
+	"context"
+	"fmt"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/idemcp/idemcp/api/v1alpha1"
+)
+
+// legacyPod makes a pod as an idemcp without key spaces injected it: the
+// webhook's status mark names no key space.
+func legacyPod(t *testing.T, ns, name, policy string) *corev1.Pod {
+	t.Helper()
+	pod := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns,
+			Labels:      map[string]string{v1alpha1.LabelPolicy: policy},
+			Annotations: map[string]string{v1alpha1.AnnotationStatus: `{"container":"idemcp-sidecar","policy":"` + policy + `"}`}},
+		Spec: corev1.PodSpec{Containers: []corev1.Container{{Name: "mcp", Image: "mcp:1"}}},
+	}
+	if err := k8s.Create(context.Background(), pod); err != nil {
+		t.Fatal(err)
+	}
+	return pod
+}
+
+// keySpacedPod makes a pod as this idemcp injects it: its status mark
+// names its key space.
+func keySpacedPod(t *testing.T, ns, name, policy string) *corev1.Pod {
+	t.Helper()
+	pod := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns,
+			Labels:      map[string]string{v1alpha1.LabelPolicy: policy},
+			Annotations: map[string]string{v1alpha1.AnnotationStatus: `{"container":"idemcp-sidecar","policy":"` + policy + `","keySpace":"Pod/` + name + `"}`}},
+		Spec: corev1.PodSpec{Containers: []corev1.Container{{Name: "mcp", Image: "mcp:1"}}},
+	}
+	if err := k8s.Create(context.Background(), pod); err != nil {
+		t.Fatal(err)
+	}
+	return pod
+}
+
+// TestLegacyWritersThenDeadline: a policy whose pods all have key spaces
+// has no legacy keys; a pod injected by an idemcp without key spaces (its
+// status annotation names none) puts the policy's status in legacy mode,
+// with the pods of this idemcp beside it; once that pod is deleted the
+// status holds the deadline of the legacy lookups (ttl + leaseDuration
+// from then, and a margin); a pod without key space again puts it back.
+func TestLegacyWritersThenDeadline(t *testing.T) {
+	ctx := context.Background()
+	ns := newNamespace(t)
+	pol := &v1alpha1.IdempotencyPolicy{ObjectMeta: metav1.ObjectMeta{Name: "payments", Namespace: ns},
+		Spec: v1alpha1.IdempotencyPolicySpec{TTL: &metav1.Duration{Duration: 2 * time.Hour}, LeaseDuration: &metav1.Duration{Duration: 30 * time.Second}}}
+	if err := k8s.Create(ctx, pol); err != nil {
+		t.Fatal(err)
+	}
+	keySpacedPod(t, ns, "new-1", "payments")
+	eventually(t, "the policy reconciled with its key-spaced pod", func() error {
+		p := getPolicy(t, ns, "payments")
+		if p.Status.ObservedGeneration == 0 {
+			return fmt.Errorf("no status yet")
+		}
+		if l := p.Status.LegacyKeys; l != nil {
+			return fmt.Errorf("status.legacyKeys = %+v with key-spaced pods only, want none", l)
+		}
+		return nil
+	})
+
+	old := legacyPod(t, ns, "old", "payments")
+	keySpacedPod(t, ns, "new-2", "payments")
+	eventually(t, "status.legacyKeys.writers 1", func() error {
+		if l := getPolicy(t, ns, "payments").Status.LegacyKeys; l == nil || l.Writers != 1 || l.Until != nil {
+			return fmt.Errorf("status.legacyKeys = %+v", l)
+		}
+		return nil
+	})
+
+	deleted := time.Now()
+	if err := k8s.Delete(ctx, old); err != nil {
+		t.Fatal(err)
+	}
+	var until time.Time
+	eventually(t, "status.legacyKeys.until", func() error {
+		l := getPolicy(t, ns, "payments").Status.LegacyKeys
+		if l == nil || l.Writers != 0 || l.Until == nil {
+			return fmt.Errorf("status.legacyKeys = %+v", l)
+		}
+		until = l.Until.Time
+		return nil
+	})
+	// ttl 2h + lease 30s, from the delete, and a minute's margin for clocks.
+	if lo, hi := deleted.Add(2*time.Hour+30*time.Second).Truncate(time.Second), time.Now().Add(2*time.Hour+30*time.Second+time.Minute+2*time.Second); until.Before(lo) || until.After(hi) {
+		t.Errorf("status.legacyKeys.until = %v, want between %v and %v", until, lo, hi)
+	}
+	// Later reconciles keep the deadline where it is.
+	keySpacedPod(t, ns, "new-3", "payments")
+	eventually(t, "the deadline kept through a reconcile", func() error {
+		p := getPolicy(t, ns, "payments")
+		if l := p.Status.LegacyKeys; l == nil || l.Until == nil || !l.Until.Time.Equal(until) {
+			return fmt.Errorf("status.legacyKeys = %+v, want until %v", l, until)
+		}
+		return nil
+	})
+
+	// A pod without a key space again (an old manager's webhook during
+	// its rollout): its keys are the legacy ones, so sidecars take them
+	// again.
+	legacyPod(t, ns, "old-again", "payments")
+	eventually(t, "a pod without key space again: writers", func() error {
+		if l := getPolicy(t, ns, "payments").Status.LegacyKeys; l == nil || l.Writers != 1 {
+			return fmt.Errorf("status.legacyKeys = %+v", l)
+		}
+		return nil
+	})
+}
