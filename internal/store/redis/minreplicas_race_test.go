@@ -39,7 +39,6 @@ func (h *raiseAfterComplete) ProcessHook(next redis.ProcessHook) redis.ProcessHo
 	}
 }
 
-
 // TestCompleteRacingSetMinReplicasIsNotMarkedAcknowledged: a Complete
 // that ran its script with MinReplicas 0 (no WAIT) must not mark the
 // result acknowledged by replicas because MinReplicas was raised before
