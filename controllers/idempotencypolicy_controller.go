@@ -137,7 +137,7 @@ func (r *IdempotencyPolicyReconciler) Reconcile(ctx context.Context, req ctrl.Re
 	}
 	st.PolicyHash = compiled.Hash
 	now := time.Now()
-	st.LegacyKeys = nextLegacyKeys(p.Status.LegacyKeys, legacyWriters(pods), legacyRetention(compiled), now)
+	st.LegacyKeys = nextLegacyKeys(p.Status.LegacyKeys, legacyWriters(pods), staleWriters(pods), legacyRetention(compiled), now)
 	if l := st.LegacyKeys; l != nil && l.Until != nil && (p.Status.LegacyKeys == nil || p.Status.LegacyKeys.Until == nil) {
 		logger.Info("No pod without a key space is left; sidecars use their key spaces, and look under the keys without one until the policy's records have expired", "until", l.Until.UTC())
 	}

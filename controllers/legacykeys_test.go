@@ -19,8 +19,8 @@ func legacyPod(t *testing.T, ns, name, policy string) *corev1.Pod {
 	pod := &corev1.Pod{
 		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns,
 			Labels:      map[string]string{v1alpha1.LabelPolicy: policy},
-			Annotations: map[string]string{v1alpha1.AnnotationStatus: `{"container":"idemcp-sidecar","policy":"` + policy + `"}`}},
-		Spec: corev1.PodSpec{Containers: []corev1.Container{{Name: "mcp", Image: "mcp:1"}}},
+			Annotations: map[string]string{v1alpha1.AnnotationStatus: `{"container":"idemcp-proxy","policy":"` + policy + `"}`}},
+		Spec: corev1.PodSpec{Containers: []corev1.Container{{Name: "mcp", Image: "mcp:1"}, {Name: "idemcp-proxy", Image: "idemcp:old"}}},
 	}
 	if err := k8s.Create(context.Background(), pod); err != nil {
 		t.Fatal(err)
@@ -30,13 +30,13 @@ func legacyPod(t *testing.T, ns, name, policy string) *corev1.Pod {
 
 // keySpacedPod makes a pod as this idemcp injects it: its status mark
 // names its key space.
-func keySpacedPod(t *testing.T, ns, name, policy string) *corev1.Pod {
+func keySpacedPod(t *testing.T, ns, name, policy string, env ...corev1.EnvVar) *corev1.Pod {
 	t.Helper()
 	pod := &corev1.Pod{
 		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns,
 			Labels:      map[string]string{v1alpha1.LabelPolicy: policy},
-			Annotations: map[string]string{v1alpha1.AnnotationStatus: `{"container":"idemcp-sidecar","policy":"` + policy + `","keySpace":"Pod/` + name + `"}`}},
-		Spec: corev1.PodSpec{Containers: []corev1.Container{{Name: "mcp", Image: "mcp:1"}}},
+			Annotations: map[string]string{v1alpha1.AnnotationStatus: `{"container":"idemcp-proxy","policy":"` + policy + `","keySpace":"Pod/` + name + `"}`}},
+		Spec: corev1.PodSpec{Containers: []corev1.Container{{Name: "mcp", Image: "mcp:1"}, {Name: "idemcp-proxy", Image: "idemcp:new", Env: env}}},
 	}
 	if err := k8s.Create(context.Background(), pod); err != nil {
 		t.Fatal(err)
@@ -113,6 +113,75 @@ func TestLegacyWritersThenDeadline(t *testing.T) {
 	eventually(t, "a pod without key space again: writers", func() error {
 		if l := getPolicy(t, ns, "payments").Status.LegacyKeys; l == nil || l.Writers != 1 {
 			return fmt.Errorf("status.legacyKeys = %+v", l)
+		}
+		return nil
+	})
+}
+
+// TestLegacyDeadlineFollowsStaleWriters: a pod injected while legacy
+// writers ran carries IDEMCP_LEGACY_KEYS=writers for its life, and its
+// sidecar, restarted with the manager away, derives keys without its key
+// space again; while such a pod lives the deadline stays a retention
+// ahead, and a ttl lowered meanwhile never moves it earlier. A pod with the
+// label and a status mark but no sidecar container is no writer.
+func TestLegacyDeadlineFollowsStaleWriters(t *testing.T) {
+	ctx := context.Background()
+	ns := newNamespace(t)
+	pol := &v1alpha1.IdempotencyPolicy{ObjectMeta: metav1.ObjectMeta{Name: "payments", Namespace: ns},
+		Spec: v1alpha1.IdempotencyPolicySpec{TTL: &metav1.Duration{Duration: 2 * time.Hour}}}
+	if err := k8s.Create(ctx, pol); err != nil {
+		t.Fatal(err)
+	}
+	fake := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "copied", Namespace: ns,
+		Labels: map[string]string{v1alpha1.LabelPolicy: "payments"}, Annotations: map[string]string{v1alpha1.AnnotationStatus: `{}`}},
+		Spec: corev1.PodSpec{Containers: []corev1.Container{{Name: "busybox", Image: "busybox"}}}}
+	if err := k8s.Create(ctx, fake); err != nil {
+		t.Fatal(err)
+	}
+	old := legacyPod(t, ns, "old", "payments")
+	eventually(t, "one writer (the copied pod is none)", func() error {
+		if l := getPolicy(t, ns, "payments").Status.LegacyKeys; l == nil || l.Writers != 1 {
+			return fmt.Errorf("status.legacyKeys = %+v, want 1 writer", l)
+		}
+		return nil
+	})
+	stale := keySpacedPod(t, ns, "stale", "payments", corev1.EnvVar{Name: "IDEMCP_LEGACY_KEYS", Value: "writers"})
+	if err := k8s.Delete(ctx, old); err != nil {
+		t.Fatal(err)
+	}
+	var first time.Time
+	eventually(t, "a deadline", func() error {
+		l := getPolicy(t, ns, "payments").Status.LegacyKeys
+		if l == nil || l.Writers != 0 || l.Until == nil {
+			return fmt.Errorf("status.legacyKeys = %+v", l)
+		}
+		first = l.Until.Time
+		return nil
+	})
+	// The ttl lowered: the deadline does not move earlier.
+	p := getPolicy(t, ns, "payments")
+	p.Spec.TTL = &metav1.Duration{Duration: time.Minute}
+	if err := k8s.Update(ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "the lowered ttl reconciled", func() error {
+		p := getPolicy(t, ns, "payments")
+		if p.Status.ObservedGeneration != p.Generation {
+			return fmt.Errorf("generation %d observed %d", p.Generation, p.Status.ObservedGeneration)
+		}
+		if l := p.Status.LegacyKeys; l == nil || l.Until == nil || l.Until.Before(&metav1.Time{Time: first}) {
+			return fmt.Errorf("status.legacyKeys = %+v, want until at least %v", l, first)
+		}
+		return nil
+	})
+	// The stale pod gone: the deadline runs from then (a minute's ttl now,
+	// but never before the one set).
+	if err := k8s.Delete(ctx, stale); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "the deadline kept after the stale pod went", func() error {
+		if l := getPolicy(t, ns, "payments").Status.LegacyKeys; l == nil || l.Until == nil || l.Until.Time.Before(first) {
+			return fmt.Errorf("status.legacyKeys = %+v, want until at least %v", l, first)
 		}
 		return nil
 	})
