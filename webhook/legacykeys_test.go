@@ -46,8 +46,8 @@ func TestNewPodsStartWithTheLegacyKeys(t *testing.T) {
 	// Created past the webhook (no idemcp.io/inject), as before the upgrade.
 	old := &corev1.Pod{
 		ObjectMeta: metav1.ObjectMeta{Name: "old", Namespace: ns, Labels: map[string]string{v1alpha1.LabelPolicy: "payments"},
-			Annotations: map[string]string{v1alpha1.AnnotationStatus: `{"container":"idemcp-sidecar","policy":"payments"}`}},
-		Spec: corev1.PodSpec{Containers: []corev1.Container{{Name: "mcp", Image: "mcp:1"}}},
+			Annotations: map[string]string{v1alpha1.AnnotationStatus: `{"container":"idemcp-proxy","policy":"payments"}`}},
+		Spec: corev1.PodSpec{Containers: []corev1.Container{{Name: "mcp", Image: "mcp:1"}, {Name: "idemcp-proxy", Image: "idemcp:old"}}},
 	}
 	if err := k8s.Create(ctx, old); err != nil {
 		t.Fatal(err)

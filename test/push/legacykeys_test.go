@@ -19,14 +19,14 @@ import (
 // mark naming keySpace ("": an idemcp before key spaces), with a token.
 func statusPod(t *testing.T, ns, name, policyName, keySpace string) (*corev1.Pod, string) {
 	t.Helper()
-	status := `{"container":"idemcp-sidecar","policy":"` + policyName + `"}`
+	status := `{"container":"idemcp-proxy","policy":"` + policyName + `"}`
 	if keySpace != "" {
-		status = `{"container":"idemcp-sidecar","policy":"` + policyName + `","keySpace":"` + keySpace + `"}`
+		status = `{"container":"idemcp-proxy","policy":"` + policyName + `","keySpace":"` + keySpace + `"}`
 	}
 	pod := &corev1.Pod{
 		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name, Labels: map[string]string{v1alpha1.LabelPolicy: policyName},
 			Annotations: map[string]string{v1alpha1.AnnotationStatus: status}},
-		Spec: corev1.PodSpec{ServiceAccountName: "mcp", Containers: []corev1.Container{{Name: "mcp", Image: "mcp:1"}}},
+		Spec: corev1.PodSpec{ServiceAccountName: "mcp", Containers: []corev1.Container{{Name: "mcp", Image: "mcp:1"}, {Name: "idemcp-proxy", Image: "idemcp:1"}}},
 	}
 	if err := k8s.Create(context.Background(), pod); err != nil {
 		t.Fatal(err)
