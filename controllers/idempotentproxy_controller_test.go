@@ -24,6 +24,7 @@ import (
 
 	"github.com/idemcp/idemcp/api/v1alpha1"
 	"github.com/idemcp/idemcp/internal/freeport"
+	"github.com/idemcp/idemcp/test/poll"
 	"github.com/idemcp/idemcp/webhook"
 )
 
@@ -421,11 +422,9 @@ func TestProxySharesNoKeySpace(t *testing.T) {
 	})
 	// It stays so while the reconciles the pods caused run (no signal says
 	// they are done: look for 2s).
-	for end := time.Now().Add(2 * time.Second); time.Now().Before(end); time.Sleep(100 * time.Millisecond) {
-		if err := condition(getPolicy(t, ns, "shared"), v1alpha1.ConditionStoreReady, metav1.ConditionTrue, v1alpha1.ReasonExternalRedis); err != nil {
-			t.Fatal(err)
-		}
-	}
+	poll.Throughout(t, 2*time.Second, "ExternalRedisConfigured", func() error {
+		return condition(getPolicy(t, ns, "shared"), v1alpha1.ConditionStoreReady, metav1.ConditionTrue, v1alpha1.ReasonExternalRedis)
+	})
 }
 
 // TestIdempotentProxyNeverAdopts: a Service of the proxy's name that

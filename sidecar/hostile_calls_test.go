@@ -13,6 +13,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/idemcp/idemcp/test/poll"
 )
 
 // TestHostileCallers: one client starts deduplicated calls against a slow
@@ -174,13 +176,12 @@ func TestHostileCallers(t *testing.T) {
 	// The calls end upstream and are stored: a retry of one of
 	// mallory's is a replay, and nothing ran twice.
 	release()
-	deadline := time.Now().Add(20 * time.Second)
-	for metric("idemcp_calls_running") != 0 {
-		if time.Now().After(deadline) {
-			t.Fatalf("%d calls still running 20s after the tool answered", metric("idemcp_calls_running"))
+	poll.Within(t, 20*time.Second, "no call running after the tool answered", func() error {
+		if n := metric("idemcp_calls_running"); n != 0 {
+			return fmt.Errorf("%v calls still running", n)
 		}
-		time.Sleep(100 * time.Millisecond)
-	}
+		return nil
+	})
 	replays := 0
 	for i := range 1000 {
 		status, body, err := call(otherClient, "mallory", fmt.Sprintf(`{"spam":%d}`, i))

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"log/slog"
 	"strconv"
 	"strings"
@@ -14,6 +15,7 @@ import (
 	"github.com/idemcp/idemcp/internal/mcpmsg"
 	"github.com/idemcp/idemcp/internal/policy"
 	"github.com/idemcp/idemcp/internal/store/redis/redistest"
+	"github.com/idemcp/idemcp/test/poll"
 )
 
 // The policy's store.redis.external.minReplicas reaches the store the
@@ -75,17 +77,13 @@ func TestPolicyMinReplicas(t *testing.T) {
 		t.Fatalf("a call with no replica: %v (ran %d); want -32013 naming the replicas, and nothing run", err, runs)
 	}
 	redistest.StartReplica(t, primary)
-	deadline := time.Now().Add(20 * time.Second)
-	for {
+	poll.Within(t, 20*time.Second, "a call with a replica in sync to run", func() error {
 		out, err := call()
 		if err == nil && out.Kind == engine.Executed {
-			break
+			return nil
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("a call with a replica in sync: %v, %v", out.Kind, err)
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
+		return fmt.Errorf("%v, %v", out.Kind, err)
+	})
 	if out, err := call(); err != nil || out.Kind != engine.Replayed || runs != 1 {
 		t.Fatalf("the retry: %v, %v (ran %d); want a replay of the one run", out.Kind, err, runs)
 	}

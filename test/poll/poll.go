@@ -62,6 +62,25 @@ func Within(t testing.TB, within time.Duration, what string, cond func() error) 
 	}
 }
 
+// Throughout fails t if cond returns an error at any of its checks during
+// d: a state that nothing signals the end of the changes to (reconciles a
+// write caused) must hold while they may still run.
+func Throughout(t testing.TB, d time.Duration, what string, cond func() error) {
+	t.Helper()
+	deadline := time.Now().Add(d)
+	interval := minInterval
+	for {
+		if err := cond(); err != nil {
+			t.Fatalf("%s stopped holding: %v", what, err)
+		}
+		if !time.Now().Before(deadline) {
+			return
+		}
+		<-time.After(min(interval, time.Until(deadline)))
+		interval = min(2*interval, maxInterval)
+	}
+}
+
 // True makes a condition of a bool.
 func True(cond func() bool) func() error {
 	return func() error {

@@ -2,6 +2,7 @@ package pgstore_test
 
 import (
 	"context"
+	"fmt"
 	"testing"
 	"time"
 
@@ -61,13 +62,9 @@ func TestReplayWaitsForTheStandby(t *testing.T) {
 	standby.Stop()
 	done := make(chan error, 1)
 	go func() { done <- owner.Complete(context.Background(), "cut", "a", []byte("ran once"), time.Hour) }()
-	deadline := time.Now().Add(10 * time.Second)
-	for queryInt(t, primary.URL, `SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'SyncRep'`) == 0 {
-		if time.Now().After(deadline) {
-			t.Fatal("the Complete never waited for the standby")
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+	poll.Within(t, 10*time.Second, "the Complete to wait for the standby (SyncRep)", poll.True(func() bool {
+		return queryInt(t, primary.URL, `SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'SyncRep'`) != 0
+	}))
 	pgtest.Exec(t, primary.URL, `SELECT pg_cancel_backend(pid) FROM pg_stat_activity WHERE wait_event = 'SyncRep'`)
 	if err := <-done; err != nil {
 		t.Fatalf("the cancelled Complete: %v (PostgreSQL reports it committed)", err)
@@ -81,22 +78,18 @@ func TestReplayWaitsForTheStandby(t *testing.T) {
 
 	// The standby is back: the retry gets the result, once.
 	standby.Start()
-	deadline = time.Now().Add(30 * time.Second)
-	for {
+	poll.Within(t, 30*time.Second, "a retry once the standby is back to be replayed", func() error {
 		rctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+		defer cancel()
 		r, err = retry.Reserve(rctx, claim("cut", "b"))
-		cancel()
-		if err == nil && r.State == store.Completed {
-			break
-		}
-		if err == nil && r.State != store.Pending {
+		switch {
+		case err == nil && r.State == store.Completed:
+			return nil
+		case err == nil && r.State != store.Pending:
 			t.Fatalf("a retry once the standby is back: %v; want pending until confirmed, then completed", r.State)
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("a retry 30s after the standby is back: %v %v", r.State, err)
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
+		return fmt.Errorf("%v %v", r.State, err)
+	})
 	if string(r.Response) != "ran once" {
 		t.Fatalf("replayed %q, want the stored result", r.Response)
 	}
