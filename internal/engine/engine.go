@@ -237,6 +237,23 @@ func (e *Engine) countUnscoped(p *policy.Policy, r *policy.Rule, tool string, se
 	})
 }
 
+// waits are how a call waits for a claim on key that another holds: the
+// policy's waitTimeout and inFlight, and admission under the waiter bounds
+// (maxWaitersPerKey, maxWaitersPerPrincipal), whichever key it waits on.
+func (e *Engine) waits(p *Plan, key string) claim.Waits {
+	return claim.Waits{
+		Timeout: p.Policy.WaitTimeout,
+		Reject:  p.Policy.InFlight == v1alpha1.InFlightReject,
+		Admit: func() (func(), error) {
+			stopWaiting, over := e.waiters.acquire(key, p.Tenant)
+			if over != "" {
+				return nil, e.tooManyWaiters(p, over)
+			}
+			return stopWaiting, nil
+		},
+	}
+}
+
 // Plan is a tools/call the engine will deduplicate.
 type Plan struct {
 	Tool        string
@@ -394,17 +411,7 @@ func (e *Engine) Execute(ctx context.Context, p *Plan, fwd Forward) (Outcome, er
 		Tool:        p.Tool,
 		Pod:         e.pod,
 	}
-	waits := claim.Waits{
-		Timeout: p.Policy.WaitTimeout,
-		Reject:  p.Policy.InFlight == v1alpha1.InFlightReject,
-		Admit: func() (func(), error) {
-			stopWaiting, over := e.waiters.acquire(p.Key, p.Tenant)
-			if over != "" {
-				return nil, e.tooManyWaiters(p, over)
-			}
-			return stopWaiting, nil
-		},
-	}
+	waits := e.waits(p, p.Key)
 	r, err := e.claims.Reserve(ctx, c, waits)
 	switch {
 	case err == nil:

@@ -150,17 +150,9 @@ func (e *Engine) findEarlier(ctx context.Context, p *Plan, fwd Forward) (out Out
 		owner := e.instance + "-" + strconv.FormatUint(e.seq.Add(1), 36)
 		c := store.Claim{Key: ek.key, Fingerprint: ek.fingerprint, Owner: owner, Lease: ek.lease, Retention: ek.lease,
 			TakeOver: ek.takeOver, Tenant: p.Tenant, Tool: p.Tool, Pod: e.pod}
-		// Waits on an earlier key count against the same bounds
-		// (maxWaitersPerKey, maxWaitersPerPrincipal) as Execute's on its key.
-		earlierKey := ek.key
-		w := claim.Waits{Timeout: p.Policy.WaitTimeout, Reject: p.Policy.InFlight == v1alpha1.InFlightReject,
-			Admit: func() (func(), error) {
-				stopWaiting, over := e.waiters.acquire(earlierKey, p.Tenant)
-				if over != "" {
-					return nil, e.tooManyWaiters(p, over)
-				}
-				return stopWaiting, nil
-			}}
+		// Waits on an earlier key count against the same bounds as
+		// Execute's on its key.
+		w := e.waits(p, ek.key)
 		r, rerr := e.claims.Reserve(ctx, c, w)
 		switch {
 		case rerr == nil:

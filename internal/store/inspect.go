@@ -87,18 +87,24 @@ type Inspector interface {
 
 // InspectorOf returns the Inspector under st (through Unwrap), if any. A
 // sealed store's Lookup opens the response it returns.
-func InspectorOf(st Store) (Inspector, bool) {
+func InspectorOf(st Store) (Inspector, bool) { return As[Inspector](st) }
+
+// As finds, in st or the stores it wraps (Unwrap, as Sealed and Timed
+// do), the first that is a T: what only one kind of store offers (an
+// Inspector, the Redis store's live MinReplicas) behind the wrappers.
+func As[T any](st Store) (T, bool) {
 	for st != nil {
-		if i, ok := st.(Inspector); ok {
-			return i, true
+		if t, ok := st.(T); ok {
+			return t, true
 		}
 		u, ok := st.(interface{ Unwrap() Store })
 		if !ok {
-			return nil, false
+			break
 		}
 		st = u.Unwrap()
 	}
-	return nil, false
+	var zero T
+	return zero, false
 }
 
 var _ Inspector = (*Sealed)(nil)

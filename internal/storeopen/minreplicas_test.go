@@ -82,7 +82,7 @@ func TestPolicyMinReplicas(t *testing.T) {
 		if err == nil && out.Kind == engine.Executed {
 			return nil
 		}
-		return fmt.Errorf("%v, %v", out.Kind, err)
+		return fmt.Errorf("%v: %w", out.Kind, err)
 	})
 	if out, err := call(); err != nil || out.Kind != engine.Replayed || runs != 1 {
 		t.Fatalf("the retry: %v, %v (ran %d); want a replay of the one run", out.Kind, err, runs)

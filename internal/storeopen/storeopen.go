@@ -159,24 +159,18 @@ func minReplicas(o Options, p *policy.Policy) (int, time.Duration) {
 // next call, with no restart. It reports whether the setting changed; any
 // other store is left as it is.
 func ApplyReplicas(st store.Store, o Options, p *policy.Policy) (changed bool, n int, err error) {
-	for st != nil {
-		if rs, ok := st.(*redisstore.Store); ok {
-			n, timeout := minReplicas(o, p)
-			if timeout <= 0 {
-				timeout = redisstore.DefaultReplicaTimeout
-			}
-			if n == rs.MinReplicas() && timeout == rs.ReplicaTimeout() {
-				return false, n, nil
-			}
-			return true, n, rs.SetMinReplicas(n, timeout)
-		}
-		u, ok := st.(interface{ Unwrap() store.Store })
-		if !ok {
-			return false, 0, nil
-		}
-		st = u.Unwrap()
+	rs, ok := store.As[*redisstore.Store](st)
+	if !ok {
+		return false, 0, nil
 	}
-	return false, 0, nil
+	n, timeout := minReplicas(o, p)
+	if timeout <= 0 {
+		timeout = redisstore.DefaultReplicaTimeout
+	}
+	if n == rs.MinReplicas() && timeout == rs.ReplicaTimeout() {
+		return false, n, nil
+	}
+	return true, n, rs.SetMinReplicas(n, timeout)
 }
 
 // redisOptions merges the flags over the policy's store.redis.external.

@@ -268,12 +268,7 @@ func (h *History) takenOver(c Completion) bool {
 	if !h.Retry {
 		return false
 	}
-	for _, w := range h.Lapses {
-		if w.affects(c.Sidecar) && w.overlaps(c.From, c.At.Add(h.Lease)) {
-			return true
-		}
-	}
-	for _, w := range h.Reported {
+	for _, w := range slices.Concat(h.Lapses, h.Reported) {
 		if w.affects(c.Sidecar) && w.overlaps(c.From, c.At.Add(h.Lease)) {
 			return true
 		}

@@ -2,21 +2,13 @@ package push
 
 import (
 	"context"
-	"encoding/json"
-	"errors"
 	"fmt"
-	"net/http/httptest"
-	"os"
-	"path/filepath"
 	"testing"
 	"time"
 
 	"github.com/modelcontextprotocol/go-sdk/mcp"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/idemcp/idemcp/api/v1alpha1"
-	"github.com/idemcp/idemcp/internal/storeopen"
-	"github.com/idemcp/idemcp/sidecar"
 	"github.com/idemcp/idemcp/test/mcpserver"
 )
 
@@ -31,41 +23,9 @@ func TestPassthroughToDeduplicateUnderLoad(t *testing.T) {
 	mgr := startManager(t, "a", freeAddr(t))
 	spec := v1alpha1.IdempotencyPolicySpec{Tools: []v1alpha1.ToolRule{{Name: "charge_card", Mode: v1alpha1.ModePassthrough}}}
 	createPolicy(t, ns, name, spec)
-	pod, token := createPod(t, ns, "mcp-0", name)
-
-	dir := t.TempDir()
-	tokenFile := filepath.Join(dir, "token")
-	snapshot, _ := json.Marshal(v1alpha1.IdempotencyPolicy{
-		TypeMeta:   metav1.TypeMeta{APIVersion: v1alpha1.GroupVersion.String(), Kind: "IdempotencyPolicy"},
-		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name}, Spec: spec,
-	})
-	if err := os.WriteFile(tokenFile, []byte(token), 0o600); err != nil {
-		t.Fatal(err)
-	}
 	server := mcpserver.New()
-	upstream := httptest.NewServer(server.Handler(false))
-	t.Cleanup(upstream.Close)
-	listen := freeAddr(t)
-	sc, err := sidecar.New(sidecar.Options{
-		Listen: listen, Upstream: upstream.URL, Policy: string(snapshot), LogLevel: "error",
-		Store:           storeopen.Options{MemoryMaxEntries: 1000},
-		ShutdownTimeout: 5 * time.Second,
-		Push:            sidecar.PushOptions{Endpoint: "https://" + mgr.addr, CABundle: string(caPEM), TokenFile: tokenFile},
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- sc.Run(ctx) }()
-	t.Cleanup(func() {
-		cancel()
-		if err := <-done; err != nil && !errors.Is(err, context.Canceled) {
-			t.Logf("policy sync client: %v", err)
-		}
-	})
+	sc, listen := startPushedSidecar(t, mgr, ns, name, spec, server)
 	waitStatus(t, ns, name, 20*time.Second, synced(1, hashOf(t, spec)))
-	_ = pod
 
 	cl := mcp.NewClient(&mcp.Implementation{Name: "push-test", Version: "1"}, nil)
 	cctx, ccancel := context.WithTimeout(context.Background(), 10*time.Second)

@@ -88,7 +88,7 @@ func TestReplayWaitsForTheStandby(t *testing.T) {
 		case err == nil && r.State != store.Pending:
 			t.Fatalf("a retry once the standby is back: %v; want pending until confirmed, then completed", r.State)
 		}
-		return fmt.Errorf("%v %v", r.State, err)
+		return fmt.Errorf("%v: %w", r.State, err)
 	})
 	if string(r.Response) != "ran once" {
 		t.Fatalf("replayed %q, want the stored result", r.Response)
