@@ -79,10 +79,20 @@ func StartReplica(tb testing.TB, primary *Server, extra ...string) *Server {
 	r := launch(tb, "replica", func(dir string) []string {
 		return append(confArgs(tb, dir, fmt.Sprintf("replicaof %s %s\n", host, port)), extra...)
 	})
+	_, rport, _ := net.SplitHostPort(r.Addr)
 	poll.Within(tb, startTimeout, fmt.Sprintf("replica %s to sync with %s", r.Addr, primary.Addr), func() error {
 		info, err := Do(r.Addr, "INFO", "replication")
 		if err == nil && !strings.Contains(info, "master_link_status:up") {
 			err = fmt.Errorf("not synced:\n%s", info)
+		}
+		if err != nil {
+			return err
+		}
+		// The replica's side is up before the primary counts it: WAIT
+		// counts only replicas the primary has online.
+		info, err = Do(primary.Addr, "INFO", "replication")
+		if err == nil && !strings.Contains(info, "port="+rport+",state=online") {
+			err = fmt.Errorf("the primary does not have it online:\n%s", info)
 		}
 		return err
 	})
