@@ -4,8 +4,11 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"sync"
+	"sync/atomic"
 
 	"go.opentelemetry.io/otel/codes"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemcp/idemcp/internal/store"
@@ -53,10 +56,11 @@ const (
 )
 
 // traceTrailerMark is "id" in the trailer's encoding.
-var traceTrailerMark = string(whitespaceBits([]byte("id")))
+var traceTrailerMark = string(appendWhitespaceBits(nil, []byte("id")))
 
-func whitespaceBits(b []byte) []byte {
-	out := make([]byte, 0, 8*len(b))
+// appendWhitespaceBits appends b to out one bit a byte, most significant
+// first: a tab for 1, a space for 0.
+func appendWhitespaceBits(out, b []byte) []byte {
 	for _, c := range b {
 		for i := 7; i >= 0; i-- {
 			if c>>i&1 == 1 {
@@ -73,7 +77,7 @@ func whitespaceBits(b []byte) []byte {
 // response is JSON and sc is a sampled span's; with an empty trailer if
 // response would otherwise read back shorter; else response as it is.
 func withTrace(response []byte, sc trace.SpanContext, isJSON bool) []byte {
-	payload := make([]byte, traceTrailerBytes)
+	var payload [traceTrailerBytes]byte
 	switch _, _, ok := parseTrailer(response); {
 	case isJSON && sc.IsValid() && sc.IsSampled():
 		tid, sid := sc.TraceID(), sc.SpanID()
@@ -88,7 +92,7 @@ func withTrace(response []byte, sc trace.SpanContext, isJSON bool) []byte {
 	}
 	out := make([]byte, 0, len(response)+traceTrailerLen)
 	out = append(out, response...)
-	out = append(out, whitespaceBits(payload)...)
+	out = appendWhitespaceBits(out, payload[:])
 	return append(out, traceTrailerMark...)
 }
 
@@ -161,8 +165,8 @@ func storeOp(ctx context.Context, op string, fn func(context.Context) error) err
 	if !parent.SpanContext().IsSampled() {
 		return fn(ctx)
 	}
-	ctx, span := parent.TracerProvider().Tracer(tracing.ScopeName).Start(ctx, "idemcp.store "+op,
-		trace.WithSpanKind(trace.SpanKindClient), trace.WithAttributes(tracing.StoreOperation.String(op)))
+	s := storeSpanOf(op)
+	ctx, span := tracerOf(parent.TracerProvider()).Start(ctx, s.name, s.opts...)
 	defer span.End()
 	err := fn(ctx)
 	if err != nil {
@@ -170,6 +174,49 @@ func storeOp(ctx context.Context, op string, fn func(context.Context) error) err
 		span.SetAttributes(tracing.ErrorType.String(storeErrorType(err)))
 	}
 	return err
+}
+
+// storeSpan is what every span of one store operation starts with, made
+// once: its name and start options are the same for every call.
+type storeSpan struct {
+	name string
+	opts []trace.SpanStartOption
+}
+
+var storeSpans sync.Map // op → *storeSpan
+
+func storeSpanOf(op string) *storeSpan {
+	if s, ok := storeSpans.Load(op); ok {
+		return s.(*storeSpan)
+	}
+	s, _ := storeSpans.LoadOrStore(op, &storeSpan{
+		name: "idemcp.store " + op,
+		opts: []trace.SpanStartOption{trace.WithSpanKind(trace.SpanKindClient), trace.WithAttributes(tracing.StoreOperation.String(op))},
+	})
+	return s.(*storeSpan)
+}
+
+// lastTracer is the tracer of the SDK provider a store span was last made
+// with: asking a provider for its tracer takes a lock every time, and a
+// process has one provider.
+var lastTracer atomic.Pointer[sdkTracer]
+
+type sdkTracer struct {
+	provider *sdktrace.TracerProvider
+	tracer   trace.Tracer
+}
+
+func tracerOf(tp trace.TracerProvider) trace.Tracer {
+	sdk, ok := tp.(*sdktrace.TracerProvider)
+	if !ok {
+		return tp.Tracer(tracing.ScopeName)
+	}
+	if last := lastTracer.Load(); last != nil && last.provider == sdk {
+		return last.tracer
+	}
+	t := sdk.Tracer(tracing.ScopeName)
+	lastTracer.Store(&sdkTracer{provider: sdk, tracer: t})
+	return t
 }
 
 // storeErrorType names a store error for a span without its message,

@@ -4,8 +4,15 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/json"
+	"io"
+	"net/http"
+	"net/http/httptest"
 	"strconv"
 	"testing"
+
+	"go.opentelemetry.io/otel/exporters/otlp/otlptrace/otlptracehttp"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemcp/idemcp/internal/mcpmsg"
 	"github.com/idemcp/idemcp/internal/store"
@@ -122,5 +129,49 @@ func benchReplay(b *testing.B, e *Engine) {
 			b.Fatal(out, err)
 		}
 		_ = mcpmsg.WithID(out.Response, id)
+	}
+}
+
+// BenchmarkExecutedTraced: BenchmarkExecuted with the call's span and its
+// store spans sampled, exported over OTLP/HTTP (protobuf) to a loopback
+// endpoint that drops them, as the sidecar exports them. Run with -cpu 1
+// so that the exporter's background work is in ns/op; the difference to
+// BenchmarkExecutedUntraced is what tracing costs a call.
+func BenchmarkExecutedTraced(b *testing.B) {
+	sink := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.Copy(io.Discard, r.Body)
+		w.Header().Set("Content-Type", "application/x-protobuf")
+	}))
+	b.Cleanup(sink.Close)
+	exp, err := otlptracehttp.New(context.Background(), otlptracehttp.WithEndpointURL(sink.URL), otlptracehttp.WithInsecure())
+	if err != nil {
+		b.Fatal(err)
+	}
+	tp := sdktrace.NewTracerProvider(sdktrace.WithBatcher(exp))
+	b.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
+	benchTraced(b, Tracing{Provider: func() trace.TracerProvider { return tp }, On: true})
+}
+
+// BenchmarkExecutedUntraced: BenchmarkExecutedTraced's calls, not traced.
+func BenchmarkExecutedUntraced(b *testing.B) { benchTraced(b, Tracing{}) }
+
+func benchTraced(b *testing.B, tr Tracing) {
+	e := New(Options{Policy: mustPolicy(b, `spec: {tools: [{name: charge_*, ignoreArguments: [/requestedAt]}]}`), Store: store.NewMemory(1 << 20), Tracing: tr})
+	resp := []byte(typicalResponse)
+	fwd := func(context.Context) (Upstream, error) { return Upstream{Response: resp, Status: 200}, nil }
+	b.ReportAllocs()
+	i := 0
+	for b.Loop() {
+		i++
+		tc, _ := ParseToolCall(json.RawMessage(typicalParams))
+		ctx, span := e.StartCall(context.Background(), CallInfo{Tool: tc.Name, RequestID: json.RawMessage(`7`), Session: "ZHL44CT3BECYYNDE3B3PQH3UAV", ProtocolVersion: "2026-07-28", Transport: "tcp", Meta: tc.Meta})
+		p, err := e.PlanCall(ctx, tc, Caller{Session: strconv.Itoa(i)})
+		if err != nil {
+			b.Fatal(err)
+		}
+		if out, err := e.Execute(ctx, p, fwd); err != nil || out.Kind != Executed {
+			b.Fatal(out, err)
+		}
+		span.End()
 	}
 }

@@ -51,6 +51,8 @@ type Engine struct {
 	metrics *Metrics
 	log     *slog.Logger
 	tracing Tracing
+	// tracerMade is the tracer of e.tracing.Provider, once a call was traced.
+	tracerMade atomic.Pointer[trace.Tracer]
 
 	instance string
 	pod      string

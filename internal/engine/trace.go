@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"log/slog"
 	"strconv"
+	"sync"
 
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
@@ -48,7 +49,12 @@ func (e *Engine) tracer(p *policy.Policy) trace.Tracer {
 	if e.tracing.Provider == nil || !e.tracing.On && (p.Spec.Tracing == nil || !p.Spec.Tracing.Enabled) {
 		return nil
 	}
-	return e.tracing.Provider().Tracer(tracing.ScopeName)
+	if t := e.tracerMade.Load(); t != nil {
+		return *t
+	}
+	t := e.tracing.Provider().Tracer(tracing.ScopeName)
+	e.tracerMade.Store(&t)
+	return t
 }
 
 // CallInfo is what a transport knows of a tools/call for its span. No
@@ -70,10 +76,34 @@ type CallInfo struct {
 
 // CallSpan is the span of one tools/call. Its methods do nothing on a nil
 // CallSpan, the span of a call that is not traced.
+//
+// What is learned of the call as it goes (the plan, the key, how it was
+// answered) is kept here and given to the span once, at End: each
+// SetAttributes of the SDK takes the span's lock and grows its attribute
+// slice, which cost a traced call more than its export did.
 type CallSpan struct {
-	span    trace.Span
-	outcome string
+	span trace.Span
+
+	mu        sync.Mutex
+	ended     bool
+	outcome   string
+	forwarded bool
+	tookOver  bool
+	code      int // the JSON-RPC error code answered, 0 for none
+	plan      [5]attribute.KeyValue
+	planSet   bool
+	key       [2]attribute.KeyValue
+	keySet    bool
+	// attrs holds the attributes known at the start (attrs[:n]); End
+	// appends the rest in place and gives them all to the span at once.
+	attrs [callAttrs]attribute.KeyValue
+	n     int
 }
+
+// callAttrs is the most attributes a call's span gets: 7 known at its
+// start, 5 of the plan, 2 of the key, outcome, forwarded, took-over and
+// the 2 of an error.
+const callAttrs = 7 + 5 + 2 + 3 + 2
 
 type callSpanKey struct{}
 
@@ -87,36 +117,40 @@ func (e *Engine) StartCall(ctx context.Context, ci CallInfo) (context.Context, *
 		return ctx, nil
 	}
 	parent := tracing.FromMeta(ci.Meta)
-	var links []trace.Link
+	opts := make([]trace.SpanStartOption, 1, 2)
+	opts[0] = serverKind
 	if header := ci.Header; !header.Empty() {
 		if parent.Empty() {
 			parent = header
 		} else if sc := header.SpanContext(); sc.IsValid() && !sc.Equal(parent.SpanContext()) {
-			links = append(links, trace.Link{SpanContext: sc, Attributes: []attribute.KeyValue{attribute.String("idemcp.link", "http-traceparent")}})
+			opts = append(opts, trace.WithLinks(trace.Link{SpanContext: sc, Attributes: []attribute.KeyValue{attribute.String("idemcp.link", "http-traceparent")}}))
 		}
 	}
-	attrs := []attribute.KeyValue{
-		tracing.MCPMethodName.String("tools/call"),
-		tracing.GenAIToolName.String(ci.Tool),
-		tracing.GenAIOperationName.String("execute_tool"),
-	}
+	cs := &CallSpan{}
+	add := func(kv attribute.KeyValue) { cs.attrs[cs.n] = kv; cs.n++ }
+	add(tracing.MCPMethodName.String("tools/call"))
+	add(tracing.GenAIToolName.String(ci.Tool))
+	add(tracing.GenAIOperationName.String("execute_tool"))
 	if len(ci.RequestID) > 0 {
-		attrs = append(attrs, tracing.JSONRPCRequestID.String(requestID(ci.RequestID)))
+		add(tracing.JSONRPCRequestID.String(requestID(ci.RequestID)))
 	}
 	if ci.Session != "" {
-		attrs = append(attrs, tracing.MCPSessionID.String(ci.Session))
+		add(tracing.MCPSessionID.String(ci.Session))
 	}
 	if ci.ProtocolVersion != "" {
-		attrs = append(attrs, tracing.MCPProtocolVersion.String(ci.ProtocolVersion))
+		add(tracing.MCPProtocolVersion.String(ci.ProtocolVersion))
 	}
 	if ci.Transport != "" {
-		attrs = append(attrs, tracing.NetworkTransport.String(ci.Transport))
+		add(tracing.NetworkTransport.String(ci.Transport))
 	}
-	ctx, span := t.Start(parent.Context(ctx), "tools/call "+ci.Tool,
-		trace.WithSpanKind(trace.SpanKindServer), trace.WithAttributes(attrs...), trace.WithLinks(links...))
-	cs := &CallSpan{span: span}
+	// The attributes go to the span at End, in one SetAttributes: given
+	// here too, the SDK would copy them twice. No sampler of ours or of
+	// the OTEL_TRACES_SAMPLER choices reads them.
+	ctx, cs.span = t.Start(parent.Context(ctx), "tools/call "+ci.Tool, opts...)
 	return context.WithValue(ctx, callSpanKey{}, cs), cs
 }
+
+var serverKind = trace.WithSpanKind(trace.SpanKindServer)
 
 // requestID is a JSON-RPC id as the span names it: a string's content, a
 // number's text.
@@ -142,44 +176,84 @@ func callSpanOf(ctx context.Context) *CallSpan {
 // Passthrough records that the transport forwarded the call untouched.
 func (s *CallSpan) Passthrough() {
 	if s != nil {
-		s.setOutcome(tracing.OutcomePassthrough)
-		s.span.SetAttributes(tracing.Forwarded.Bool(true))
+		s.mu.Lock()
+		s.setOutcomeLocked(tracing.OutcomePassthrough)
+		s.forwarded = true
+		s.mu.Unlock()
 	}
 }
 
 // Forwarded records that the call reached the MCP server.
 func (s *CallSpan) Forwarded() {
 	if s != nil {
-		s.span.SetAttributes(tracing.Forwarded.Bool(true))
+		s.mu.Lock()
+		s.forwarded = true
+		s.mu.Unlock()
 	}
 }
 
 // Error records a JSON-RPC error code the client was answered.
 func (s *CallSpan) Error(code int) {
 	if s != nil {
-		s.span.SetStatus(codes.Error, "")
-		s.span.SetAttributes(tracing.RPCResponseStatus.String(strconv.Itoa(code)), tracing.ErrorType.String(strconv.Itoa(code)))
+		s.mu.Lock()
+		s.code = code
+		s.mu.Unlock()
 	}
 }
 
-// End ends the span.
+// End gives the span what was recorded and ends it. What is recorded
+// after End is dropped, as the SDK drops it.
 func (s *CallSpan) End() {
-	if s != nil {
-		s.span.End()
+	if s == nil {
+		return
 	}
+	s.mu.Lock()
+	if s.ended {
+		s.mu.Unlock()
+		return
+	}
+	s.ended = true
+	attrs := s.attrs[:s.n]
+	if s.planSet {
+		attrs = append(attrs, s.plan[:]...)
+	}
+	if s.keySet {
+		attrs = append(attrs, s.key[:]...)
+	}
+	if s.outcome != "" {
+		attrs = append(attrs, tracing.Outcome.String(s.outcome))
+	}
+	if s.forwarded {
+		attrs = append(attrs, tracing.Forwarded.Bool(true))
+	}
+	if s.tookOver {
+		attrs = append(attrs, tracing.TookOver.Bool(true))
+	}
+	if s.code != 0 {
+		code := strconv.Itoa(s.code)
+		attrs = append(attrs, tracing.RPCResponseStatus.String(code), tracing.ErrorType.String(code))
+		s.span.SetStatus(codes.Error, "")
+	}
+	s.mu.Unlock()
+	s.span.SetAttributes(attrs...)
+	s.span.End()
 }
 
-func (s *CallSpan) setOutcome(o string) {
+// setOutcomeLocked records how the call was answered: the first outcome
+// stands, except executed, which a later one (the call ran but its
+// answer was refused) replaces.
+func (s *CallSpan) setOutcomeLocked(o string) {
 	if s.outcome == "" || s.outcome == tracing.OutcomeExecuted {
 		s.outcome = o
-		s.span.SetAttributes(tracing.Outcome.String(o))
 	}
 }
 
 // traceOutcome records how a call was answered on its span, if traced.
 func traceOutcome(ctx context.Context, o string) {
 	if s := callSpanOf(ctx); s != nil {
-		s.setOutcome(o)
+		s.mu.Lock()
+		s.setOutcomeLocked(o)
+		s.mu.Unlock()
 	}
 }
 
@@ -189,11 +263,14 @@ func tracePlan(ctx context.Context, p *policy.Policy, r *policy.Rule, reason str
 	if s == nil {
 		return
 	}
-	s.span.SetAttributes(
+	s.mu.Lock()
+	s.plan = [5]attribute.KeyValue{
 		tracing.PolicyName.String(p.Name), tracing.PolicyHash.String(p.Hash),
 		tracing.Rule.String(r.Pattern), tracing.ModeReason.String(reason),
 		tracing.Scope.String(string(r.KeyScope)),
-	)
+	}
+	s.planSet = true
+	s.mu.Unlock()
 }
 
 // traceKey records the kind of a planned call's key and its short hash.
@@ -206,15 +283,15 @@ func traceKey(ctx context.Context, p *Plan) {
 	if p.Explicit {
 		kind = "explicit"
 	}
-	s.span.SetAttributes(tracing.KeyKind.String(kind), tracing.KeyHashAttr.String(tracing.KeyHash(p.Key)))
+	hash := tracing.KeyHash(p.Key)
+	s.mu.Lock()
+	s.key = [2]attribute.KeyValue{tracing.KeyKind.String(kind), tracing.KeyHashAttr.String(hash)}
+	s.keySet = true
+	s.mu.Unlock()
 }
 
 // traceForwarded marks a call that reached the server.
-func traceForwarded(ctx context.Context) {
-	if s := callSpanOf(ctx); s != nil {
-		s.span.SetAttributes(tracing.Forwarded.Bool(true))
-	}
-}
+func traceForwarded(ctx context.Context) { callSpanOf(ctx).Forwarded() }
 
 // traceReplay links a replay's span to the span of the call it replays.
 func traceReplay(ctx context.Context, execution trace.SpanContext, tookOver bool) {
@@ -226,7 +303,9 @@ func traceReplay(ctx context.Context, execution trace.SpanContext, tookOver bool
 		s.span.AddLink(trace.Link{SpanContext: execution, Attributes: []attribute.KeyValue{attribute.String("idemcp.link", "execution")}})
 	}
 	if tookOver {
-		s.span.SetAttributes(tracing.TookOver.Bool(true))
+		s.mu.Lock()
+		s.tookOver = true
+		s.mu.Unlock()
 	}
 }
 
