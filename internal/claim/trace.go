@@ -7,6 +7,7 @@ import (
 	"sync"
 	"sync/atomic"
 
+	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/trace"
@@ -62,16 +63,23 @@ var traceTrailerMark = string(appendWhitespaceBits(nil, []byte("id")))
 // first: a tab for 1, a space for 0.
 func appendWhitespaceBits(out, b []byte) []byte {
 	for _, c := range b {
-		for i := 7; i >= 0; i-- {
-			if c>>i&1 == 1 {
-				out = append(out, '\t')
-			} else {
-				out = append(out, ' ')
-			}
-		}
+		out = append(out, whitespaceByte[c][:]...)
 	}
 	return out
 }
+
+// whitespaceByte is each byte's 8 bits in the trailer's encoding.
+var whitespaceByte = func() (t [256][8]byte) {
+	for c := range t {
+		for i := range 8 {
+			t[c][i] = ' '
+			if c>>(7-i)&1 == 1 {
+				t[c][i] = '\t'
+			}
+		}
+	}
+	return t
+}()
 
 // withTrace returns what to store for response: with sc's trailer if
 // response is JSON and sc is a sampled span's; with an empty trailer if
@@ -166,7 +174,9 @@ func storeOp(ctx context.Context, op string, fn func(context.Context) error) err
 		return fn(ctx)
 	}
 	s := storeSpanOf(op)
-	ctx, span := tracerOf(parent.TracerProvider()).Start(ctx, s.name, s.opts...)
+	ctx, span := tracerOf(parent.TracerProvider()).Start(ctx, s.name, clientKind)
+	// Given as a start option, the attribute would be copied twice.
+	span.SetAttributes(s.attrs...)
 	defer span.End()
 	err := fn(ctx)
 	if err != nil {
@@ -180,8 +190,10 @@ func storeOp(ctx context.Context, op string, fn func(context.Context) error) err
 // once: its name and start options are the same for every call.
 type storeSpan struct {
 	name string
-	opts []trace.SpanStartOption
+	attrs []attribute.KeyValue
 }
+
+var clientKind = trace.WithSpanKind(trace.SpanKindClient)
 
 var storeSpans sync.Map // op → *storeSpan
 
@@ -191,7 +203,7 @@ func storeSpanOf(op string) *storeSpan {
 	}
 	s, _ := storeSpans.LoadOrStore(op, &storeSpan{
 		name: "idemcp.store " + op,
-		opts: []trace.SpanStartOption{trace.WithSpanKind(trace.SpanKindClient), trace.WithAttributes(tracing.StoreOperation.String(op))},
+		attrs: []attribute.KeyValue{tracing.StoreOperation.String(op)},
 	})
 	return s.(*storeSpan)
 }

@@ -90,12 +90,12 @@ type CallSpan struct {
 	forwarded bool
 	tookOver  bool
 	code      int // the JSON-RPC error code answered, 0 for none
-	plan      [5]attribute.KeyValue
 	planSet   bool
-	key       [2]attribute.KeyValue
 	keySet    bool
-	// attrs holds the attributes known at the start (attrs[:n]); End
-	// appends the rest in place and gives them all to the span at once.
+	// attrs holds the attributes known at the start (attrs[:n], at most
+	// 7), the plan's (attrs[planAt:keyAt]) and the key's
+	// (attrs[keyAt:keyAt+2]); End moves them together, appends the rest
+	// and gives them all to the span at once.
 	attrs [callAttrs]attribute.KeyValue
 	n     int
 }
@@ -103,7 +103,11 @@ type CallSpan struct {
 // callAttrs is the most attributes a call's span gets: 7 known at its
 // start, 5 of the plan, 2 of the key, outcome, forwarded, took-over and
 // the 2 of an error.
-const callAttrs = 7 + 5 + 2 + 3 + 2
+const (
+	planAt    = 7
+	keyAt     = planAt + 5
+	callAttrs = keyAt + 2 + 3 + 2
+)
 
 type callSpanKey struct{}
 
@@ -214,11 +218,11 @@ func (s *CallSpan) End() {
 	}
 	s.ended = true
 	attrs := s.attrs[:s.n]
-	if s.planSet {
-		attrs = append(attrs, s.plan[:]...)
+	if s.planSet { // append copies as copy does: overlapping is fine
+		attrs = append(attrs, s.attrs[planAt:keyAt]...)
 	}
 	if s.keySet {
-		attrs = append(attrs, s.key[:]...)
+		attrs = append(attrs, s.attrs[keyAt:keyAt+2]...)
 	}
 	if s.outcome != "" {
 		attrs = append(attrs, tracing.Outcome.String(s.outcome))
@@ -264,12 +268,14 @@ func tracePlan(ctx context.Context, p *policy.Policy, r *policy.Rule, reason str
 		return
 	}
 	s.mu.Lock()
-	s.plan = [5]attribute.KeyValue{
-		tracing.PolicyName.String(p.Name), tracing.PolicyHash.String(p.Hash),
-		tracing.Rule.String(r.Pattern), tracing.ModeReason.String(reason),
-		tracing.Scope.String(string(r.KeyScope)),
+	if !s.ended {
+		copy(s.attrs[planAt:keyAt], []attribute.KeyValue{
+			tracing.PolicyName.String(p.Name), tracing.PolicyHash.String(p.Hash),
+			tracing.Rule.String(r.Pattern), tracing.ModeReason.String(reason),
+			tracing.Scope.String(string(r.KeyScope)),
+		})
+		s.planSet = true
 	}
-	s.planSet = true
 	s.mu.Unlock()
 }
 
@@ -285,8 +291,10 @@ func traceKey(ctx context.Context, p *Plan) {
 	}
 	hash := tracing.KeyHash(p.Key)
 	s.mu.Lock()
-	s.key = [2]attribute.KeyValue{tracing.KeyKind.String(kind), tracing.KeyHashAttr.String(hash)}
-	s.keySet = true
+	if !s.ended {
+		s.attrs[keyAt], s.attrs[keyAt+1] = tracing.KeyKind.String(kind), tracing.KeyHashAttr.String(hash)
+		s.keySet = true
+	}
 	s.mu.Unlock()
 }
 

@@ -44,9 +44,17 @@ func (c Carrier) SpanContext() trace.SpanContext {
 	return trace.SpanContextFromContext(c.Context(context.Background()))
 }
 
-// FromHeader reads the traceparent, tracestate and baggage headers.
+// FromHeader reads the traceparent, tracestate and baggage headers. It
+// looks them up by their canonical names: Get would make each name
+// canonical again for every request, traced or not.
 func FromHeader(h http.Header) Carrier {
-	return Carrier{Traceparent: h.Get(MetaTraceparent), Tracestate: h.Get(MetaTracestate), Baggage: h.Get(MetaBaggage)}
+	first := func(name string) string {
+		if v := h[name]; len(v) > 0 {
+			return v[0]
+		}
+		return ""
+	}
+	return Carrier{Traceparent: first("Traceparent"), Tracestate: first("Tracestate"), Baggage: first("Baggage")}
 }
 
 // FromMeta reads params._meta's traceparent, tracestate and baggage;
