@@ -175,3 +175,20 @@ func benchTraced(b *testing.B, tr Tracing) {
 		span.End()
 	}
 }
+
+// BenchmarkExecutedTracedNoExport: BenchmarkExecutedTraced with the spans
+// dropped when they end: what making the spans costs, without the
+// exporter's share.
+func BenchmarkExecutedTracedNoExport(b *testing.B) {
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(dropSpans{}))
+	b.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
+	benchTraced(b, Tracing{Provider: func() trace.TracerProvider { return tp }, On: true})
+}
+
+// dropSpans is a span processor that keeps nothing.
+type dropSpans struct{}
+
+func (dropSpans) OnStart(context.Context, sdktrace.ReadWriteSpan) {}
+func (dropSpans) OnEnd(sdktrace.ReadOnlySpan)                     {}
+func (dropSpans) Shutdown(context.Context) error                  { return nil }
+func (dropSpans) ForceFlush(context.Context) error                { return nil }

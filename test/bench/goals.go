@@ -140,6 +140,14 @@ func (e *procEnv) goals(conc string) []goalRow {
 				short: "traced p50 /untraced @" + mode, p: perRound(traced, off, mode, statRatio(p50us)), limit: 1.10, kind: below, spread: true})
 		}
 	}
+	// Tracing off runs a part of what an unsampled call runs (the checks
+	// that find no span), so an unsampled call's cost bounds off's.
+	if unsampled, off := e.row("exec redis unsampled"), e.row("exec redis"); unsampled != nil && off != nil {
+		for _, mode := range []string{"1", conc} {
+			add(goalRow{goal: "tracing off costs nothing measurable (bounded by 0% sampled)", figure: "CPU per call, executed redis 0% sampled / untraced, " + mode + " client(s)",
+				short: "unsampled CPU /untraced @" + mode, p: cpuRatio(unsampled, off, mode), limit: 1.05, kind: atMost, spread: true})
+		}
+	}
 	rssPass := mib(memKB(e.sideMem.pid(), "VmHWM")) / mib(memKB(e.plain.pid(), "VmHWM"))
 	add(goalRow{goal: "passthrough: ≤ the Go proxy on every figure", figure: "peak RSS, sidecar (memory) / Go proxy", short: "sidecar RSS /Go", p: single(rssPass), limit: 1})
 	for _, mode := range []string{"1", conc} {

@@ -147,7 +147,11 @@ type procEnv struct {
 	// sideTraced is sideRedis with tracing on; traceEnv, the environment
 	// start gives the process being started.
 	sideTraced *proc
-	traceEnv   []string
+	// sideUnsampled is sideTraced sampling nothing (always_off): every
+	// tracing code path of a call runs, and no span is recorded. Tracing
+	// off does a part of that work, so this row bounds what off costs.
+	sideUnsampled *proc
+	traceEnv      []string
 	rows       []*procRow
 	p999       map[*procRow]map[string][]float64
 	nginxNote  string
@@ -452,6 +456,10 @@ func procSection(w *bytes.Buffer, c config) error {
 	if e.sideTraced, err = e.sidecar("sidecar (redis, traced)", e.server.url, "--store", "redis", "--redis-addr", e.redisProc.addr, "--tracing"); err != nil {
 		return err
 	}
+	e.traceEnv = []string{"OTEL_EXPORTER_OTLP_ENDPOINT=" + sink.URL, "OTEL_TRACES_SAMPLER=always_off"}
+	if e.sideUnsampled, err = e.sidecar("sidecar (redis, traced, 0% sampled)", e.server.url, "--store", "redis", "--redis-addr", e.redisProc.addr, "--tracing"); err != nil {
+		return err
+	}
 	e.traceEnv = nil
 
 	exec := httpScenarios[2]
@@ -480,6 +488,7 @@ func procSection(w *bytes.Buffer, c config) error {
 		add("idemcp replayed, "+s.name, "replay "+s.name, s.p, replay, true)
 	}
 	add("idemcp executed (new arguments each call), redis, tracing on (100% sampled)", "exec redis traced", e.sideTraced, exec, true)
+	add("idemcp executed (new arguments each call), redis, tracing on, 0% sampled (bounds tracing off)", "exec redis unsampled", e.sideUnsampled, exec, true)
 	for _, l := range []struct {
 		name, short string
 		p           *proc
