@@ -4,12 +4,15 @@ import (
 	"bufio"
 	"context"
 	"encoding/json"
+	"fmt"
 	"io"
 	"net/http"
 	"strings"
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/idemcp/idemcp/test/poll"
 
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
@@ -102,17 +105,12 @@ func TestStreamsAreBounded(t *testing.T) {
 	// Alice closes a stream: her slot, and the sidecar's, are free again.
 	a1.cancel()
 	_ = a1.resp.Body.Close()
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		s := open("alice")
-		if s.resp.StatusCode == http.StatusOK {
-			break
+	poll.Within(t, 10*time.Second, "alice's closed stream to free its slot", func() error {
+		if s := open("alice"); s.resp.StatusCode != http.StatusOK {
+			return fmt.Errorf("a new stream of hers got HTTP %d", s.resp.StatusCode)
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("alice's closed stream never freed its slot (HTTP %d)", s.resp.StatusCode)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+		return nil
+	})
 	over := e.Metrics().OverLimit
 	if n := counterValue(over.WithLabelValues(engine.LimitStreamsPerPrincipal)); n < 1 {
 		t.Errorf(`idemcp_over_limit_total{limit="streams_per_principal"} = %v, want at least 1`, n)
@@ -200,13 +198,12 @@ func TestToolsListCopiesAreBounded(t *testing.T) {
 			t.Fatalf("listing %d was not forwarded whole: %d bytes, %v", i, len(rest), err)
 		}
 	}
-	deadline := time.Now().Add(10 * time.Second)
-	for !e.Hints().Known("alice_read") || p.tapHeld() != 0 {
-		if time.Now().After(deadline) {
-			t.Fatalf("alice's listing taught Auto nothing (known: %v), or the taps still hold %d bytes", e.Hints().Known("alice_read"), p.tapHeld())
+	poll.Within(t, 10*time.Second, "alice's listing to teach Auto and the taps to let go", func() error {
+		if known, held := e.Hints().Known("alice_read"), p.tapHeld(); !known || held != 0 {
+			return fmt.Errorf("known: %v, the taps hold %d bytes", known, held)
 		}
-		time.Sleep(10 * time.Millisecond)
-	}
+		return nil
+	})
 	if c := counterValue(e.Metrics().OverLimit.WithLabelValues(engine.LimitToolsListBuffers)); c < n-maxTapBytesPerPrincipal/half {
 		t.Errorf(`idemcp_over_limit_total{limit="tools_list_buffers"} = %v, want at least %d`, c, n-maxTapBytesPerPrincipal/half)
 	}

@@ -1,9 +1,12 @@
 package push
 
 import (
+	"fmt"
 	"maps"
 	"testing"
 	"time"
+
+	"github.com/idemcp/idemcp/test/poll"
 
 	dto "github.com/prometheus/client_model/go"
 	"sigs.k8s.io/controller-runtime/pkg/metrics"
@@ -36,21 +39,19 @@ func TestSyncMetrics(t *testing.T) {
 	})
 	waitApplied(t, []*sidecarClient{first}, hash, changed, 5*time.Second)
 	waitSidecarsGauge(t, ns, name, map[string]float64{"injected": 2, "connected": 1, "synced": 1})
-	deadline := time.Now().Add(5 * time.Second)
-	for syncCount(t) <= before {
-		if time.Now().After(deadline) {
-			t.Fatalf("idemcp_policy_sync_duration_seconds counted %d acknowledgements, want more after the sidecar applied %s", syncCount(t), hash)
+	poll.Within(t, 5*time.Second, "idemcp_policy_sync_duration_seconds to count the acknowledgement of "+hash, func() error {
+		if n := syncCount(t); n <= before {
+			return fmt.Errorf("it counted %d acknowledgements, as before the sidecar applied %s", n, hash)
 		}
-		time.Sleep(20 * time.Millisecond)
-	}
+		return nil
+	})
 }
 
 // waitSidecarsGauge waits until idemcp_policy_sidecars of the policy has
 // exactly the values want, by state.
 func waitSidecarsGauge(t *testing.T, ns, name string, want map[string]float64) {
 	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for {
+	poll.Within(t, 10*time.Second, fmt.Sprintf("idemcp_policy_sidecars{namespace=%q,policy=%q} to be %v", ns, name, want), func() error {
 		got := map[string]float64{}
 		for _, m := range family(t, "idemcp_policy_sidecars") {
 			l := labels(m)
@@ -58,14 +59,11 @@ func waitSidecarsGauge(t *testing.T, ns, name string, want map[string]float64) {
 				got[l["state"]] = m.GetGauge().GetValue()
 			}
 		}
-		if maps.Equal(got, want) {
-			return
+		if !maps.Equal(got, want) {
+			return fmt.Errorf("it is %v", got)
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("idemcp_policy_sidecars{namespace=%q,policy=%q} = %v, want %v", ns, name, got, want)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+		return nil
+	})
 }
 
 func syncCount(t *testing.T) uint64 {
