@@ -114,7 +114,7 @@ type callSpanKey struct{}
 // StartCall starts the span of a tools/call under the policy in force:
 // the returned context carries it to Plan and Execute, and the transport
 // ends it with End once the client is answered. A call that is not
-// traced gets ctx as it is and a nil span.
+// traced, or whose span is not sampled, gets ctx as it is and a nil span.
 func (e *Engine) StartCall(ctx context.Context, ci CallInfo) (context.Context, *CallSpan) {
 	t := e.tracer(e.policy.Load())
 	if t == nil {
@@ -130,7 +130,15 @@ func (e *Engine) StartCall(ctx context.Context, ci CallInfo) (context.Context, *
 			opts = append(opts, trace.WithLinks(trace.Link{SpanContext: sc, Attributes: []attribute.KeyValue{attribute.String("idemcp.link", "http-traceparent")}}))
 		}
 	}
-	cs := &CallSpan{}
+	spanCtx, span := t.Start(parent.Context(ctx), "tools/call "+ci.Tool, opts...)
+	if !span.IsRecording() {
+		// Not sampled: nothing is recorded of the call, and the store's
+		// spans and the trace trailer are only for sampled calls, so the
+		// call goes on untraced. The caller's trace context is forwarded
+		// as it came either way.
+		return ctx, nil
+	}
+	cs := &CallSpan{span: span}
 	add := func(kv attribute.KeyValue) { cs.attrs[cs.n] = kv; cs.n++ }
 	add(tracing.MCPMethodName.String("tools/call"))
 	add(tracing.GenAIToolName.String(ci.Tool))
@@ -148,10 +156,9 @@ func (e *Engine) StartCall(ctx context.Context, ci CallInfo) (context.Context, *
 		add(tracing.NetworkTransport.String(ci.Transport))
 	}
 	// The attributes go to the span at End, in one SetAttributes: given
-	// here too, the SDK would copy them twice. No sampler of ours or of
-	// the OTEL_TRACES_SAMPLER choices reads them.
-	ctx, cs.span = t.Start(parent.Context(ctx), "tools/call "+ci.Tool, opts...)
-	return context.WithValue(ctx, callSpanKey{}, cs), cs
+	// at its start too, the SDK would copy them twice. No sampler of ours
+	// or of the OTEL_TRACES_SAMPLER choices reads them.
+	return context.WithValue(spanCtx, callSpanKey{}, cs), cs
 }
 
 var serverKind = trace.WithSpanKind(trace.SpanKindServer)
