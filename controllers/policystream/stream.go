@@ -119,6 +119,9 @@ func (s *Server) serveStream(w http.ResponseWriter, r *http.Request) {
 	rc := http.NewResponseController(w)
 	_ = rc.EnableFullDuplex() // HTTP/1.1; HTTP/2 is full duplex already
 	w.Header().Set("Content-Type", policywire.ContentType)
+	if who.ticket != "" {
+		w.Header().Set(policywire.ReviewTicketHeader, who.ticket)
+	}
 	w.WriteHeader(http.StatusOK)
 	if err := rc.Flush(); err != nil {
 		return
