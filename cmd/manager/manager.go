@@ -161,7 +161,7 @@ func (o *Options) Flags(fs *flag.FlagSet) {
 	fs.StringVar(&o.PolicyStreamService, "policy-stream-service", policystream.DefaultServiceName, "the Service that selects the leader's pod for the policy stream; its name is in the serving certificate and in the endpoint given to sidecars")
 	fs.StringVar(&o.Sidecar.PolicyEndpoint, "policy-stream-url", "", "the policy stream's URL given to injected sidecars (default: https://SERVICE.NAMESPACE.svc:PORT)")
 	fs.IntVar(&o.PolicyStreamMaxStreams, "policy-stream-max-streams", 10000, "most policy streams (one per sidecar) held at once; a sidecar beyond it is answered 503 and retries")
-	fs.Float64Var(&o.PolicyStreamTokenReviews, "policy-stream-token-reviews-per-second", 100, "most TokenReviews a second for sidecars connecting to the policy stream (a token reviewed in the last 2 minutes needs none); beyond it, 503 and a retry")
+	fs.Float64Var(&o.PolicyStreamTokenReviews, "policy-stream-token-reviews-per-second", 100, "most TokenReviews a second for sidecars connecting to the policy stream (a token reviewed in the last 2 minutes, or one with a valid review ticket, needs none); beyond it, 503 and a retry")
 	fs.StringVar(&o.PprofAddr, "pprof-bind-address", "0", "address of net/http/pprof, unauthenticated: only ever a loopback address (0 turns it off)")
 	fs.BoolVar(&o.Tracing, "tracing", false, "export OpenTelemetry spans of reconciles and policy pushes, and of every tools/call of the sidecars injected from now on, configured by the OTEL_* environment variables; the manager's OTEL_* variables (less OTEL_SERVICE_NAME) are given to injected sidecars either way")
 	o.Zap.BindFlags(fs)

@@ -18,6 +18,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/log"
 	"sigs.k8s.io/controller-runtime/pkg/metrics"
 
 	"github.com/idemcp/idemcp/api/v1alpha1"
@@ -53,6 +54,8 @@ type caller struct {
 	pod     string
 	uid     string
 	expires time.Time
+	// ticket is the review ticket to hand back ("" for none).
+	ticket string
 }
 
 // authorize admits a caller only if its token, reviewed by the API server
@@ -71,9 +74,12 @@ func (s *Server) authorize(ctx context.Context, r *http.Request, namespace, name
 	if exp := tokenExpiry(token); !exp.IsZero() && !time.Now().Before(exp) {
 		return nil, unauthorized("the token expired at %s: send the kubelet's current one", exp.UTC().Format(time.RFC3339))
 	}
-	st, err := s.review(ctx, token)
-	if err != nil {
-		return nil, err
+	st, ticketed := s.fromTicket(ctx, r, token)
+	if !ticketed {
+		var err error
+		if st, err = s.review(ctx, token); err != nil {
+			return nil, err
+		}
 	}
 	if !st.Authenticated {
 		return nil, unauthorized("the token is not valid for audience %s: %s", policywire.TokenAudience, st.Error)
@@ -94,7 +100,7 @@ func (s *Server) authorize(ctx context.Context, r *http.Request, namespace, name
 	}
 	var pod corev1.Pod
 	key := client.ObjectKey{Namespace: saNamespace, Name: podNames[0]}
-	err = s.pods.Get(ctx, key, &pod)
+	err := s.pods.Get(ctx, key, &pod)
 	if apierrors.IsNotFound(err) {
 		// The cache may not have seen a pod that started a moment ago.
 		err = s.apiReader.Get(ctx, key, &pod)
@@ -111,7 +117,34 @@ func (s *Server) authorize(ctx context.Context, r *http.Request, namespace, name
 	if got := pod.Labels[v1alpha1.LabelPolicy]; got != name {
 		return nil, forbidden("pod %s is labelled %s=%q, not %q", key, v1alpha1.LabelPolicy, got, name)
 	}
-	return &caller{pod: pod.Name, uid: string(pod.UID), expires: tokenExpiry(token)}, nil
+	who := &caller{pod: pod.Name, uid: string(pod.UID), expires: tokenExpiry(token)}
+	if c, ok := claimsOf(st, token); ok && s.ticketKey != nil {
+		if k, err := s.ticketKey(); err == nil {
+			who.ticket = issueTicket(k, token, c)
+		}
+	}
+	return who, nil
+}
+
+// fromTicket returns the review that r's review ticket stands for, if it
+// has a valid one for token. A ticket refused is logged and counted; the
+// caller then reviews the token.
+func (s *Server) fromTicket(ctx context.Context, r *http.Request, token string) (authnv1.TokenReviewStatus, bool) {
+	t := r.Header.Get(policywire.ReviewTicketHeader)
+	if t == "" || s.ticketKey == nil {
+		return authnv1.TokenReviewStatus{}, false
+	}
+	key, err := s.ticketKey()
+	if err == nil {
+		var st authnv1.TokenReviewStatus
+		if st, err = openTicket(key, t, token, time.Now()); err == nil {
+			tokenReviews.WithLabelValues(reviewTicket).Inc()
+			return st, true
+		}
+	}
+	tokenReviews.WithLabelValues(reviewTicketRefused).Inc()
+	log.FromContext(ctx).V(1).Info("Refused a review ticket, reviewing the token instead", "reason", err.Error())
+	return authnv1.TokenReviewStatus{}, false
 }
 
 // serviceAccount splits system:serviceaccount:NAMESPACE:NAME.
@@ -156,11 +189,16 @@ const (
 	reviewCached  = "cached"
 	reviewCreated = "reviewed"
 	reviewLimited = "limited"
+	// reviewTicket: a review ticket stood for the review.
+	reviewTicket = "ticket"
+	// reviewTicketRefused: a review ticket was refused (forged, expired,
+	// for another token, or signed with a serving key since replaced).
+	reviewTicketRefused = "ticket_refused"
 )
 
 var tokenReviews = prometheus.NewCounterVec(prometheus.CounterOpts{
 	Name: "idemcp_policy_stream_token_reviews_total",
-	Help: "Tokens presented to the policy stream, by how they were checked: reviewed (a TokenReview), cached (the result of an earlier one), limited (refused with 503: too many TokenReviews at once).",
+	Help: "Tokens presented to the policy stream, by how they were checked: reviewed (a TokenReview), cached (the result of an earlier one), limited (refused with 503: too many TokenReviews at once), ticket (a review ticket from a manager replica stood for the review), ticket_refused (a review ticket was refused; the token was reviewed instead).",
 }, []string{"result"})
 
 func init() { metrics.Registry.MustRegister(tokenReviews) }

@@ -42,6 +42,7 @@ func (s *Server) listen(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("policy stream: loading the serving certificate from %s: %w", s.opts.CertDir, err)
 	}
+	s.ticketKey = ticketKeys(watcher.GetCertificate)
 	go func() {
 		if err := watcher.Start(ctx); err != nil {
 			logger.Error(err, "Watching the policy stream's serving certificate failed")

@@ -97,6 +97,9 @@ type Server struct {
 	slots       chan struct{}
 	reviewLimit *rate.Limiter
 	reviews     *reviewCache
+	// ticketKey returns the key of review tickets (nil: none issued or
+	// taken); set when the listener has the serving key.
+	ticketKey func() ([]byte, error)
 
 	keyAnswers keyAnswers
 

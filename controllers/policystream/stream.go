@@ -2,8 +2,11 @@ package policystream
 
 import (
 	"bufio"
+	"bytes"
 	"context"
+	"errors"
 	"fmt"
+	"io"
 	"net/http"
 	"strconv"
 	"time"
@@ -52,7 +55,12 @@ type stream struct {
 func (s *Server) serveStream(w http.ResponseWriter, r *http.Request) {
 	ctx := r.Context()
 	key := types.NamespacedName{Namespace: r.PathValue("namespace"), Name: r.PathValue("name")}
-	logger := log.FromContext(ctx).WithValues("policy", klog.KRef(key.Namespace, key.Name))
+	// The stream's values go with each message rather than through
+	// WithValues: zap encodes a With's fields into a buffer of its own at
+	// once, about 2 KiB held by every open stream for messages that are
+	// rare.
+	logger := log.FromContext(ctx)
+	kv := []any{"policy", klog.KRef(key.Namespace, key.Name)}
 	if !s.leading.Load() || !s.synced.Load() {
 		w.Header().Set("Retry-After", "1")
 		http.Error(w, "this manager replica does not serve the policy stream now (not the leader); retry", http.StatusServiceUnavailable)
@@ -69,24 +77,24 @@ func (s *Server) serveStream(w http.ResponseWriter, r *http.Request) {
 	who, err := s.authorize(ctx, r, key.Namespace, key.Name)
 	if err != nil {
 		if ref, ok := refusalOf(err); ok {
-			logger.V(1).Info("Refused a policy stream", "reason", ref.why)
+			logger.V(1).Info("Refused a policy stream", append(kv, "reason", ref.why)...)
 			if ref.retryAfter > 0 {
 				w.Header().Set("Retry-After", strconv.Itoa(ref.retryAfter))
 			}
 			http.Error(w, ref.why, ref.code)
 			return
 		}
-		logger.Error(err, "Authorizing a policy stream failed")
+		logger.Error(err, "Authorizing a policy stream failed", kv...)
 		http.Error(w, "the manager cannot check the caller now; retry", http.StatusServiceUnavailable)
 		return
 	}
-	logger = logger.WithValues("pod", klog.KRef(key.Namespace, who.pod))
+	kv = append(kv, "pod", klog.KRef(key.Namespace, who.pod))
 	if err := s.refresh(ctx, key); err != nil {
 		if apierrors.IsNotFound(err) {
 			http.Error(w, fmt.Sprintf("IdempotencyPolicy %s does not exist", key), http.StatusNotFound)
 			return
 		}
-		logger.Error(err, "Reading the policy failed")
+		logger.Error(err, "Reading the policy failed", kv...)
 		http.Error(w, "the manager cannot read the policy now; retry", http.StatusServiceUnavailable)
 		return
 	}
@@ -119,6 +127,9 @@ func (s *Server) serveStream(w http.ResponseWriter, r *http.Request) {
 	rc := http.NewResponseController(w)
 	_ = rc.EnableFullDuplex() // HTTP/1.1; HTTP/2 is full duplex already
 	w.Header().Set("Content-Type", policywire.ContentType)
+	if who.ticket != "" {
+		w.Header().Set(policywire.ReviewTicketHeader, who.ticket)
+	}
 	w.WriteHeader(http.StatusOK)
 	if err := rc.Flush(); err != nil {
 		return
@@ -149,7 +160,7 @@ func (s *Server) serveStream(w http.ResponseWriter, r *http.Request) {
 			enc, err := st.encoded(ca, &s.nonce)
 			if err != nil {
 				s.mu.Unlock()
-				logger.Error(err, "Encoding a snapshot failed")
+				logger.Error(err, "Encoding a snapshot failed", kv...)
 				return
 			}
 			if snap.version != c.sentVersion {
@@ -185,13 +196,21 @@ func (s *Server) serveStream(w http.ResponseWriter, r *http.Request) {
 	}
 }
 
-// readReports records each report of c until its body ends.
+// readReports records each report of c until its body ends. It reads
+// through a small buffer and assembles a longer line apart: a scanner's
+// buffer, sized for the longest report, was 4 KiB held by every stream.
 func (s *Server) readReports(r *http.Request, key types.NamespacedName, c *stream) {
-	sc := bufio.NewScanner(r.Body)
-	sc.Buffer(make([]byte, 0, 4096), policywire.MaxMessageBytes)
-	for sc.Scan() {
+	br := bufio.NewReaderSize(r.Body, reportReadBuffer)
+	for {
+		line, err := readLine(br, policywire.MaxMessageBytes)
+		if err != nil {
+			if !errors.Is(err, io.EOF) && r.Context().Err() == nil {
+				log.FromContext(r.Context()).V(1).Info("Ending a stream whose reports cannot be read", "pod", c.pod, "err", err.Error())
+			}
+			return
+		}
 		var rep policywire.Report
-		if err := policywire.Decode(sc.Bytes(), &rep); err != nil {
+		if err := policywire.Decode(line, &rep); err != nil {
 			log.FromContext(r.Context()).V(1).Info("Ending a stream that sent a bad report", "pod", c.pod, "err", err.Error())
 			return
 		}
@@ -214,6 +233,37 @@ func (s *Server) readReports(r *http.Request, key types.NamespacedName, c *strea
 			c.push = nil
 		}
 		s.mu.Unlock()
+	}
+}
+
+// reportReadBuffer is the read buffer of a stream's reports: most fit.
+const reportReadBuffer = 512
+
+// errLineTooLong is a report longer than policywire.MaxMessageBytes.
+var errLineTooLong = errors.New("a report is longer than the limit")
+
+// readLine returns the next line of br without its newline, at most max
+// bytes; a line that does not fit br's buffer is copied. A last line
+// without a newline is returned too, as bufio.Scanner did.
+func readLine(br *bufio.Reader, max int) ([]byte, error) {
+	var long []byte
+	for {
+		part, err := br.ReadSlice('\n')
+		if len(long)+len(part) > max+1 {
+			return nil, errLineTooLong
+		}
+		switch {
+		case err == nil && long == nil:
+			return bytes.TrimSuffix(part, []byte("\n")), nil
+		case err == nil:
+			return bytes.TrimSuffix(append(long, part...), []byte("\n")), nil
+		case errors.Is(err, bufio.ErrBufferFull):
+			long = append(long, part...)
+		case errors.Is(err, io.EOF) && len(long)+len(part) > 0:
+			return append(long, part...), nil
+		default:
+			return nil, err
+		}
 	}
 }
 

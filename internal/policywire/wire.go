@@ -29,6 +29,11 @@ func StreamPath(namespace, name string) string {
 // TokenAudience is the audience of the sidecar's projected token.
 const TokenAudience = "idemcp"
 
+// ReviewTicketHeader carries the manager's review ticket: in its answer to
+// a stream it accepted, and in the sidecar's next request with the same
+// token, so that another replica needs no TokenReview for it.
+const ReviewTicketHeader = "Idemcp-Review-Ticket"
+
 // ContentType is the media type of both directions.
 const ContentType = "application/x-ndjson"
 

@@ -121,6 +121,10 @@ type Client struct {
 	// versions (nil: not known, as for the starting snapshot); only the
 	// goroutine running sessions touches it.
 	order *policywire.Order
+	// ticket is the review ticket the manager gave with ticketToken, sent
+	// back with that token so that its successor needs no TokenReview;
+	// only the goroutine running sessions touches them.
+	ticket, ticketToken string
 
 	mu        sync.Mutex
 	roots     *x509.CertPool
@@ -324,6 +328,9 @@ func (c *Client) session(ctx context.Context) (got bool, err error) {
 	}
 	req.Header.Set("Authorization", "Bearer "+token)
 	req.Header.Set("Content-Type", policywire.ContentType)
+	if c.ticket != "" && c.ticketToken == token {
+		req.Header.Set(policywire.ReviewTicketHeader, c.ticket)
+	}
 	rt := c.transport()
 	if t, ok := rt.(*http.Transport); ok && c.o.Transport == nil {
 		defer t.CloseIdleConnections()
@@ -363,6 +370,9 @@ func (c *Client) session(ctx context.Context) (got bool, err error) {
 	if resp.StatusCode != http.StatusOK {
 		body, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
 		return false, &statusError{code: resp.StatusCode, body: string(body)}
+	}
+	if t := resp.Header.Get(policywire.ReviewTicketHeader); t != "" {
+		c.ticket, c.ticketToken = t, token
 	}
 	c.setConnected(true)
 	defer c.setConnected(false)

@@ -349,6 +349,14 @@ func waitApplied(t testing.TB, sidecars []*sidecarClient, hash string, start tim
 // status and everything the manager sent within a short while.
 func rawStream(t testing.TB, endpoint, ns, name, token string) (int, string) {
 	t.Helper()
+	code, body, _ := rawStreamWith(t, endpoint, ns, name, token, nil)
+	return code, body
+}
+
+// rawStreamWith is rawStream with extra request headers; it returns the
+// response's headers too.
+func rawStreamWith(t testing.TB, endpoint, ns, name, token string, header http.Header) (int, string, http.Header) {
+	t.Helper()
 	pool := x509.NewCertPool()
 	pool.AppendCertsFromPEM(caPEM)
 	hc := &http.Client{Transport: &http.Transport{TLSClientConfig: tlsConfig(pool), ForceAttemptHTTP2: true}, Timeout: 2 * time.Second}
@@ -359,6 +367,9 @@ func rawStream(t testing.TB, endpoint, ns, name, token string) (int, string) {
 	stop := time.AfterFunc(2*time.Second, func() { _ = pw.Close() })
 	defer stop.Stop()
 	req, _ := http.NewRequest(http.MethodPost, endpoint+policywire.StreamPath(ns, name), pr)
+	for k, v := range header {
+		req.Header[k] = v
+	}
 	if token != "" {
 		req.Header.Set("Authorization", "Bearer "+token)
 	}
@@ -368,7 +379,7 @@ func rawStream(t testing.TB, endpoint, ns, name, token string) (int, string) {
 	}
 	defer func() { _ = resp.Body.Close() }()
 	b, _ := io.ReadAll(resp.Body) // ends at the client timeout for a 200
-	return resp.StatusCode, string(b)
+	return resp.StatusCode, string(b), resp.Header
 }
 
 // resign returns token with its expiry moved to exp and signed again with

@@ -577,8 +577,8 @@ func render(results []result, rounds int) string {
 	b.WriteString("Manager per stream: its VmRSS with every stream open less its VmRSS just before the first one connected (the pods,\n" +
 		"their tokens and the policy already in its cache), over the number of streams. Failover: the manager gets SIGTERM (as in a\n" +
 		"rolling update: it hands its lease on) and a successor starts on the same address, its start and cache sync included;\n" +
-		"the time runs until every sidecar has a stream to the successor. Each sidecar's token is reviewed again there (the\n" +
-		"review cache is per process), at most --policy-stream-token-reviews-per-second (100) a second, the rest told to retry.\n\n")
+		"the time runs until every sidecar has a stream to the successor. A sidecar brings the review ticket its stream to the\n" +
+		"first manager came with, so the successor needs no TokenReview for its token (the review cache is per process).\n\n")
 	b.WriteString("| sidecars | p50 | p99 | max | all connected after | reconnects | manager CPU idle | manager CPU during changes | manager RSS | manager KiB per stream | reconnected after failover |\n")
 	b.WriteString("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n")
 	for _, r := range results {
