@@ -67,6 +67,10 @@ type EventReader struct {
 	skip     io.Writer // SkipEvent's destinations, while it runs
 	skipData io.Writer
 	lastID   string
+	// The event's data while it is one run of Raw (a single data line,
+	// as servers send a response): Raw[dataFrom:dataTo], not a copy.
+	dataInRaw        bool
+	dataFrom, dataTo int
 }
 
 const (
@@ -105,12 +109,16 @@ func (er *EventReader) Next() (Event, error) {
 		}
 		room := er.max - len(er.ev.Raw)
 		if room <= 0 {
-			ev := er.ev
+			ev := er.event()
 			return ev, fmt.Errorf("%w (%d bytes)", ErrEventTooLarge, er.max)
 		}
 		chunk := er.buf[er.r:min(er.w, er.r+room)]
-		n, done := er.consume(chunk)
-		er.ev.Raw = append(er.ev.Raw, chunk[:n]...)
+		// Into Raw first, so that data can be a run of it; then cut to
+		// what the event used.
+		base := len(er.ev.Raw)
+		er.ev.Raw = er.appendRaw(chunk)
+		n, done := er.consume(chunk, base)
+		er.ev.Raw = er.ev.Raw[:base+n]
 		er.r += n
 		if done {
 			return er.take(), nil
@@ -148,7 +156,7 @@ func (er *EventReader) SkipEvent(raw, data io.Writer) (int64, error) {
 			continue
 		}
 		chunk := er.buf[er.r:er.w]
-		n, done := er.consume(chunk)
+		n, done := er.consume(chunk, -1)
 		m, _ := raw.Write(chunk[:n])
 		total += int64(m)
 		er.r += n
@@ -223,9 +231,23 @@ func (er *EventReader) checkBOM() bool {
 	return true
 }
 
+// appendRaw appends b to the event's Raw, doubling its room as it grows
+// (append grows a large slice by a quarter: five times the event in
+// copies) up to the size limit.
+func (er *EventReader) appendRaw(b []byte) []byte {
+	raw := er.ev.Raw
+	if need := len(raw) + len(b); need > cap(raw) {
+		grown := make([]byte, len(raw), max(need, min(2*cap(raw), er.max)))
+		copy(grown, raw)
+		raw = grown
+	}
+	return append(raw, b...)
+}
+
 // consume runs the parser over b and returns how many bytes it used, and
-// whether they end an event.
-func (er *EventReader) consume(b []byte) (int, bool) {
+// whether they end an event. base is where b is in Raw, or -1 when Raw is
+// not kept (SkipEvent).
+func (er *EventReader) consume(b []byte, base int) (int, bool) {
 	i := 0
 	for i < len(b) {
 		if er.afterCR {
@@ -253,14 +275,19 @@ func (er *EventReader) consume(b []byte) (int, bool) {
 		if j < 0 {
 			j = len(b) - i
 		}
-		er.content(b[i : i+j])
+		pos := -1
+		if base >= 0 {
+			pos = base + i
+		}
+		er.content(b[i:i+j], pos)
 		i += j
 	}
 	return i, false
 }
 
-// content takes a run of a line's bytes, without line endings.
-func (er *EventReader) content(b []byte) {
+// content takes a run of a line's bytes, without line endings, found at
+// Raw[pos:] (pos is -1 when Raw is not kept).
+func (er *EventReader) content(b []byte, pos int) {
 	if !er.inLine {
 		er.inLine, er.nonBlank = true, true
 		er.comment = b[0] == ':'
@@ -284,6 +311,9 @@ func (er *EventReader) content(b []byte) {
 		}
 		er.inValue = true
 		b = b[k+1:]
+		if pos >= 0 {
+			pos += k + 1
+		}
 		if er.isData() {
 			er.startData()
 		}
@@ -295,10 +325,13 @@ func (er *EventReader) content(b []byte) {
 		er.spaceDone = true
 		if b[0] == ' ' {
 			b = b[1:]
+			if pos >= 0 {
+				pos++
+			}
 		}
 	}
 	if er.isData() {
-		er.appendData(b)
+		er.appendData(b, pos)
 		return
 	}
 	if room := maxFieldValue - len(er.value); room > 0 {
@@ -312,17 +345,40 @@ func (er *EventReader) isData() bool {
 
 func (er *EventReader) startData() {
 	if er.ev.HasData {
-		er.appendData([]byte{'\n'})
+		er.appendData([]byte{'\n'}, -1)
 	}
 	er.ev.HasData = true
 }
 
-func (er *EventReader) appendData(b []byte) {
+// appendData adds b, found at Raw[pos:] (or nowhere there, pos -1), to the
+// event's data: by extending the run of Raw it is while it is one.
+func (er *EventReader) appendData(b []byte, pos int) {
 	if er.skipData != nil {
 		_, _ = er.skipData.Write(b)
 		return
 	}
+	switch {
+	case pos >= 0 && er.dataInRaw && pos == er.dataTo:
+		er.dataTo += len(b)
+		return
+	case pos >= 0 && !er.dataInRaw && len(er.ev.Data) == 0:
+		er.dataInRaw, er.dataFrom, er.dataTo = true, pos, pos+len(b)
+		return
+	case er.dataInRaw:
+		er.ev.Data = append(er.ev.Data, er.ev.Raw[er.dataFrom:er.dataTo]...)
+		er.dataInRaw = false
+	}
 	er.ev.Data = append(er.ev.Data, b...)
+}
+
+// event is the event read so far, its data made a slice.
+func (er *EventReader) event() Event {
+	ev := er.ev
+	ev.Raw = ev.Raw[:len(ev.Raw):len(ev.Raw)]
+	if er.dataInRaw {
+		ev.Data = ev.Raw[er.dataFrom:er.dataTo:er.dataTo]
+	}
+	return ev
 }
 
 // endLine applies the field of the line just ended.
@@ -348,7 +404,7 @@ func (er *EventReader) endLine() {
 
 // take returns the event read and starts the next.
 func (er *EventReader) take() Event {
-	ev := er.ev
+	ev := er.event()
 	er.reset()
 	return ev
 }
@@ -356,6 +412,7 @@ func (er *EventReader) take() Event {
 func (er *EventReader) reset() {
 	er.ev = Event{}
 	er.nonBlank = false
+	er.dataInRaw = false
 }
 
 // end is the stream's end: a line and an event cut by it still count.

@@ -1,7 +1,6 @@
 package httpproxy
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -263,7 +262,8 @@ func (p *Proxy) relaySSE(in *http.Request, resp *http.Response, rb *readTracker,
 				if c != nil {
 					p.resumes.remove(c)
 				}
-				up.Response, up.Valid = bytes.Clone(ev.Data), true
+				// Data is the reader's own (a run of Raw): no copy.
+				up.Response, up.Valid = ev.Data, true
 				s.setTail(resp.Body, er.Rest(), rb)
 				return up, nil
 			}
