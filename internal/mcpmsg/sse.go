@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"strings"
 )
 
 // Event is one server-sent event, parsed as the WHATWG HTML specification
@@ -25,6 +26,9 @@ type Event struct {
 	// ID is the value of the last valid "id" field, if HasID.
 	ID    string
 	HasID bool
+	// Sent is how much of Raw was already written to the reader's Stream
+	// writer while the event was read: the caller writes Raw[Sent:].
+	Sent int
 }
 
 // ErrEventTooLarge is returned by Next for an event over the reader's
@@ -71,6 +75,41 @@ type EventReader struct {
 	// as servers send a response): Raw[dataFrom:dataTo], not a copy.
 	dataInRaw        bool
 	dataFrom, dataTo int
+
+	// stream receives a large event's bytes as they are read (Stream).
+	stream    io.Writer
+	lineStart int  // where the line being read starts in Raw
+	held      bool // an id line was read: nothing from holdAt on is sent
+	holdAt    int
+}
+
+// streamMin is how much of an event is held before Stream sends it on:
+// a small event is still written whole, once.
+const streamMin = 16 << 10
+
+// Stream has the bytes of an event larger than streamMin written to w as
+// they are read, up to the event's first id line (or a line that may yet
+// be one): a caller that relays events as they come relays a large one
+// without waiting for its end, and no id reaches w before the event that
+// carries it is returned whole. Event.Sent says how much went.
+func (er *EventReader) Stream(w io.Writer) { er.stream = w }
+
+// streamUpTo is how much of Raw may be sent now.
+func (er *EventReader) streamUpTo() int {
+	switch {
+	case er.held:
+		return er.holdAt
+	case er.inLine && !er.comment && !er.inValue && !er.nameLong && strings.HasPrefix("id", string(er.name)):
+		return er.lineStart
+	}
+	return len(er.ev.Raw)
+}
+
+// hold marks the line being read an id line.
+func (er *EventReader) hold() {
+	if !er.held {
+		er.held, er.holdAt = true, er.lineStart
+	}
 }
 
 const (
@@ -122,6 +161,12 @@ func (er *EventReader) Next() (Event, error) {
 		er.r += n
 		if done {
 			return er.take(), nil
+		}
+		if er.stream != nil && len(er.ev.Raw)-er.ev.Sent >= streamMin {
+			if upTo := er.streamUpTo(); upTo > er.ev.Sent {
+				_, _ = er.stream.Write(er.ev.Raw[er.ev.Sent:upTo])
+				er.ev.Sent = upTo
+			}
 		}
 	}
 }
@@ -291,6 +336,7 @@ func (er *EventReader) content(b []byte, pos int) {
 	if !er.inLine {
 		er.inLine, er.nonBlank = true, true
 		er.comment = b[0] == ':'
+		er.lineStart = pos
 	}
 	if er.comment {
 		return
@@ -310,6 +356,9 @@ func (er *EventReader) content(b []byte, pos int) {
 			return
 		}
 		er.inValue = true
+		if !er.nameLong && string(er.name) == "id" {
+			er.hold()
+		}
 		b = b[k+1:]
 		if pos >= 0 {
 			pos += k + 1
@@ -392,6 +441,7 @@ func (er *EventReader) endLine() {
 		case "event":
 			er.ev.Name = string(er.value)
 		case "id":
+			er.hold()
 			if bytes.IndexByte(er.value, 0) < 0 {
 				er.ev.ID, er.ev.HasID = string(er.value), true
 				er.lastID = er.ev.ID
@@ -413,6 +463,7 @@ func (er *EventReader) reset() {
 	er.ev = Event{}
 	er.nonBlank = false
 	er.dataInRaw = false
+	er.held = false
 }
 
 // end is the stream's end: a line and an event cut by it still count.
