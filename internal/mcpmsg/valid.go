@@ -207,7 +207,9 @@ func validString(b []byte, i int) int {
 
 func isHex4(h []byte) bool {
 	for _, c := range h {
-		if !(c >= '0' && c <= '9' || c >= 'a' && c <= 'f' || c >= 'A' && c <= 'F') {
+		switch {
+		case c >= '0' && c <= '9', c >= 'a' && c <= 'f', c >= 'A' && c <= 'F':
+		default:
 			return false
 		}
 	}
