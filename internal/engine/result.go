@@ -74,10 +74,15 @@ func (e *Engine) replayableChecked(p *Plan, resp []byte, valid bool) ([]byte, st
 		// instead of running it a second time.
 		return tooLargeMarker(p, len(resp)), ReasonTooLarge
 	}
+	// The marker is spliced in as the response is copied: one copy of a
+	// large result, not two.
+	from, to, marker := len(result), len(result), ""
 	if isObject {
-		result = markReplayed(result, members)
+		if f, t, m, ok := metaEdit(result, members, ReplayedMeta, "true"); ok {
+			from, to, marker = f, t, m
+		}
 	}
-	out := make([]byte, 0, len(result)+len(taskSessionPrefix)+96)
+	out := make([]byte, 0, len(result)-(to-from)+len(marker)+len(taskSessionPrefix)+96)
 	out = append(out, `{"jsonrpc":"2.0",`...)
 	if task {
 		// A task lives in the session that created it (the reference
@@ -87,7 +92,9 @@ func (e *Engine) replayableChecked(p *Plan, resp []byte, valid bool) ([]byte, st
 		out = append(out, `",`...)
 	}
 	out = append(out, `"result":`...)
-	out = append(out, result...)
+	out = append(out, result[:from]...)
+	out = append(out, marker...)
+	out = append(out, result[to:]...)
 	return append(out, '}'), ""
 }
 
@@ -148,18 +155,23 @@ func objectMembers(obj []byte) (members []member, ok bool) {
 	return mcpmsg.Members(bytes.TrimLeft(obj, " \t\r\n"))
 }
 
-// markReplayed returns the result object with _meta["idemcp.io/replayed"]
-// set, every other byte as the server sent it. A missing or null _meta
-// becomes an object holding the marker; a _meta that is neither an object
-// nor null is the server's own business and is left alone, unmarked.
-func markReplayed(result []byte, members []member) []byte {
-	return setMeta(result, members, ReplayedMeta, "true")
-}
-
 // setMeta returns the result object with _meta[name] set to the JSON
-// value raw, every other byte as the server sent it (see markReplayed).
+// value raw, every other byte as the server sent it. A missing or null
+// _meta becomes an object holding the marker; a _meta that is neither an
+// object nor null is the server's own business and is left alone,
+// unmarked.
 func setMeta(result []byte, members []member, name, raw string) []byte {
 	result = bytes.TrimLeft(result, " \t\r\n")
+	from, to, s, ok := metaEdit(result, members, name, raw)
+	if !ok {
+		return result
+	}
+	return splice(result, from, to, s)
+}
+
+// metaEdit is setMeta as an edit of result (its leading space trimmed):
+// result[from:to] becomes s; ok is false for a result left alone.
+func metaEdit(result []byte, members []member, name, raw string) (from, to int, s string, ok bool) {
 	marker := `"` + name + `":` + raw
 	meta := -1
 	for i, mb := range members {
@@ -172,30 +184,30 @@ func setMeta(result []byte, members []member, name, raw string) []byte {
 		if len(members) > 0 {
 			sep = ","
 		}
-		return splice(result, 1, 1, `"_meta":{`+marker+`}`+sep)
+		return 1, 1, `"_meta":{` + marker + `}` + sep, true
 	}
 	mb := members[meta]
 	v := result[mb.Start:mb.End]
 	switch {
 	case string(v) == "null":
-		return splice(result, mb.Start, mb.End, `{`+marker+`}`)
+		return mb.Start, mb.End, `{` + marker + `}`, true
 	case v[0] == '{':
-		inner, ok := objectMembers(v)
-		if !ok {
-			return result
+		inner, isObj := objectMembers(v)
+		if !isObj {
+			return 0, 0, "", false
 		}
 		for i := len(inner) - 1; i >= 0; i-- {
 			if inner[i].Name == name {
-				return splice(result, mb.Start+inner[i].Start, mb.Start+inner[i].End, raw)
+				return mb.Start + inner[i].Start, mb.Start + inner[i].End, raw, true
 			}
 		}
 		sep := ""
 		if len(inner) > 0 {
 			sep = ","
 		}
-		return splice(result, mb.Start+1, mb.Start+1, marker+sep)
+		return mb.Start + 1, mb.Start + 1, marker + sep, true
 	}
-	return result
+	return 0, 0, "", false
 }
 
 // splice returns b with b[from:to] replaced by s, in a new slice.

@@ -109,7 +109,7 @@ var envelopeMembers = []string{"jsonrpc", "id", "method", "params", "result", "e
 // tools/call or notifications/cancelled are ambiguous. The message returned
 // with an error carries the id when that could be read.
 func Parse(body []byte) (*Message, error) {
-	if !json.Valid(body) {
+	if !Valid(body) {
 		var v any
 		err := json.Unmarshal(body, &v)
 		return nil, &Error{Code: CodeParseError, Message: fmt.Sprintf("body is not valid JSON: %v", err)}

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"strings"
 )
 
 // Event is one server-sent event, parsed as the WHATWG HTML specification
@@ -25,6 +26,9 @@ type Event struct {
 	// ID is the value of the last valid "id" field, if HasID.
 	ID    string
 	HasID bool
+	// Sent is how much of Raw was already written to the reader's Stream
+	// writer while the event was read: the caller writes Raw[Sent:].
+	Sent int
 }
 
 // ErrEventTooLarge is returned by Next for an event over the reader's
@@ -67,6 +71,45 @@ type EventReader struct {
 	skip     io.Writer // SkipEvent's destinations, while it runs
 	skipData io.Writer
 	lastID   string
+	// The event's data while it is one run of Raw (a single data line,
+	// as servers send a response): Raw[dataFrom:dataTo], not a copy.
+	dataInRaw        bool
+	dataFrom, dataTo int
+
+	// stream receives a large event's bytes as they are read (Stream).
+	stream    io.Writer
+	lineStart int  // where the line being read starts in Raw
+	held      bool // an id line was read: nothing from holdAt on is sent
+	holdAt    int
+}
+
+// streamMin is how much of an event is held before Stream sends it on:
+// a small event is still written whole, once.
+const streamMin = 16 << 10
+
+// Stream has the bytes of an event larger than streamMin written to w as
+// they are read, up to the event's first id line (or a line that may yet
+// be one): a caller that relays events as they come relays a large one
+// without waiting for its end, and no id reaches w before the event that
+// carries it is returned whole. Event.Sent says how much went.
+func (er *EventReader) Stream(w io.Writer) { er.stream = w }
+
+// streamUpTo is how much of Raw may be sent now.
+func (er *EventReader) streamUpTo() int {
+	switch {
+	case er.held:
+		return er.holdAt
+	case er.inLine && !er.comment && !er.inValue && !er.nameLong && strings.HasPrefix("id", string(er.name)):
+		return er.lineStart
+	}
+	return len(er.ev.Raw)
+}
+
+// hold marks the line being read an id line.
+func (er *EventReader) hold() {
+	if !er.held {
+		er.held, er.holdAt = true, er.lineStart
+	}
 }
 
 const (
@@ -105,15 +148,25 @@ func (er *EventReader) Next() (Event, error) {
 		}
 		room := er.max - len(er.ev.Raw)
 		if room <= 0 {
-			ev := er.ev
+			ev := er.event()
 			return ev, fmt.Errorf("%w (%d bytes)", ErrEventTooLarge, er.max)
 		}
 		chunk := er.buf[er.r:min(er.w, er.r+room)]
-		n, done := er.consume(chunk)
-		er.ev.Raw = append(er.ev.Raw, chunk[:n]...)
+		// Into Raw first, so that data can be a run of it; then cut to
+		// what the event used.
+		base := len(er.ev.Raw)
+		er.ev.Raw = er.appendRaw(chunk)
+		n, done := er.consume(chunk, base)
+		er.ev.Raw = er.ev.Raw[:base+n]
 		er.r += n
 		if done {
 			return er.take(), nil
+		}
+		if er.stream != nil && len(er.ev.Raw)-er.ev.Sent >= streamMin {
+			if upTo := er.streamUpTo(); upTo > er.ev.Sent {
+				_, _ = er.stream.Write(er.ev.Raw[er.ev.Sent:upTo])
+				er.ev.Sent = upTo
+			}
 		}
 	}
 }
@@ -148,7 +201,7 @@ func (er *EventReader) SkipEvent(raw, data io.Writer) (int64, error) {
 			continue
 		}
 		chunk := er.buf[er.r:er.w]
-		n, done := er.consume(chunk)
+		n, done := er.consume(chunk, -1)
 		m, _ := raw.Write(chunk[:n])
 		total += int64(m)
 		er.r += n
@@ -223,9 +276,23 @@ func (er *EventReader) checkBOM() bool {
 	return true
 }
 
+// appendRaw appends b to the event's Raw, doubling its room as it grows
+// (append grows a large slice by a quarter: five times the event in
+// copies) up to the size limit.
+func (er *EventReader) appendRaw(b []byte) []byte {
+	raw := er.ev.Raw
+	if need := len(raw) + len(b); need > cap(raw) {
+		grown := make([]byte, len(raw), max(need, min(2*cap(raw), er.max)))
+		copy(grown, raw)
+		raw = grown
+	}
+	return append(raw, b...)
+}
+
 // consume runs the parser over b and returns how many bytes it used, and
-// whether they end an event.
-func (er *EventReader) consume(b []byte) (int, bool) {
+// whether they end an event. base is where b is in Raw, or -1 when Raw is
+// not kept (SkipEvent).
+func (er *EventReader) consume(b []byte, base int) (int, bool) {
 	i := 0
 	for i < len(b) {
 		if er.afterCR {
@@ -253,17 +320,23 @@ func (er *EventReader) consume(b []byte) (int, bool) {
 		if j < 0 {
 			j = len(b) - i
 		}
-		er.content(b[i : i+j])
+		pos := -1
+		if base >= 0 {
+			pos = base + i
+		}
+		er.content(b[i:i+j], pos)
 		i += j
 	}
 	return i, false
 }
 
-// content takes a run of a line's bytes, without line endings.
-func (er *EventReader) content(b []byte) {
+// content takes a run of a line's bytes, without line endings, found at
+// Raw[pos:] (pos is -1 when Raw is not kept).
+func (er *EventReader) content(b []byte, pos int) {
 	if !er.inLine {
 		er.inLine, er.nonBlank = true, true
 		er.comment = b[0] == ':'
+		er.lineStart = pos
 	}
 	if er.comment {
 		return
@@ -283,7 +356,13 @@ func (er *EventReader) content(b []byte) {
 			return
 		}
 		er.inValue = true
+		if !er.nameLong && string(er.name) == "id" {
+			er.hold()
+		}
 		b = b[k+1:]
+		if pos >= 0 {
+			pos += k + 1
+		}
 		if er.isData() {
 			er.startData()
 		}
@@ -295,10 +374,13 @@ func (er *EventReader) content(b []byte) {
 		er.spaceDone = true
 		if b[0] == ' ' {
 			b = b[1:]
+			if pos >= 0 {
+				pos++
+			}
 		}
 	}
 	if er.isData() {
-		er.appendData(b)
+		er.appendData(b, pos)
 		return
 	}
 	if room := maxFieldValue - len(er.value); room > 0 {
@@ -312,17 +394,40 @@ func (er *EventReader) isData() bool {
 
 func (er *EventReader) startData() {
 	if er.ev.HasData {
-		er.appendData([]byte{'\n'})
+		er.appendData([]byte{'\n'}, -1)
 	}
 	er.ev.HasData = true
 }
 
-func (er *EventReader) appendData(b []byte) {
+// appendData adds b, found at Raw[pos:] (or nowhere there, pos -1), to the
+// event's data: by extending the run of Raw it is while it is one.
+func (er *EventReader) appendData(b []byte, pos int) {
 	if er.skipData != nil {
 		_, _ = er.skipData.Write(b)
 		return
 	}
+	switch {
+	case pos >= 0 && er.dataInRaw && pos == er.dataTo:
+		er.dataTo += len(b)
+		return
+	case pos >= 0 && !er.dataInRaw && len(er.ev.Data) == 0:
+		er.dataInRaw, er.dataFrom, er.dataTo = true, pos, pos+len(b)
+		return
+	case er.dataInRaw:
+		er.ev.Data = append(er.ev.Data, er.ev.Raw[er.dataFrom:er.dataTo]...)
+		er.dataInRaw = false
+	}
 	er.ev.Data = append(er.ev.Data, b...)
+}
+
+// event is the event read so far, its data made a slice.
+func (er *EventReader) event() Event {
+	ev := er.ev
+	ev.Raw = ev.Raw[:len(ev.Raw):len(ev.Raw)]
+	if er.dataInRaw {
+		ev.Data = ev.Raw[er.dataFrom:er.dataTo:er.dataTo]
+	}
+	return ev
 }
 
 // endLine applies the field of the line just ended.
@@ -336,6 +441,7 @@ func (er *EventReader) endLine() {
 		case "event":
 			er.ev.Name = string(er.value)
 		case "id":
+			er.hold()
 			if bytes.IndexByte(er.value, 0) < 0 {
 				er.ev.ID, er.ev.HasID = string(er.value), true
 				er.lastID = er.ev.ID
@@ -348,7 +454,7 @@ func (er *EventReader) endLine() {
 
 // take returns the event read and starts the next.
 func (er *EventReader) take() Event {
-	ev := er.ev
+	ev := er.event()
 	er.reset()
 	return ev
 }
@@ -356,6 +462,8 @@ func (er *EventReader) take() Event {
 func (er *EventReader) reset() {
 	er.ev = Event{}
 	er.nonBlank = false
+	er.dataInRaw = false
+	er.held = false
 }
 
 // end is the stream's end: a line and an event cut by it still count.

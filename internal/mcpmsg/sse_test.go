@@ -225,3 +225,45 @@ func datas(evs []parsed) string {
 	}
 	return fmt.Sprintf("%q", out)
 }
+
+func TestStreamSendsALargeEventAsItIsRead(t *testing.T) {
+	big := strings.Repeat("x", 100<<10)
+	for _, tc := range []struct {
+		name, stream string
+		early        bool // some of the first event goes before its end
+	}{
+		{"data only", "event: message\ndata: " + big + "\n\n", true},
+		{"id first", "id: 7\ndata: " + big + "\n\n", false},
+		{"id after the data", "data: " + big + "\nid: 7\n\n", true},
+		{"small", "data: {}\n\n", false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			er := NewEventReader(&chunked{b: []byte(tc.stream), seed: 3}, 1<<20)
+			var early []byte
+			er.Stream(writerFunc(func(b []byte) (int, error) {
+				early = append(early, b...)
+				return len(b), nil
+			}))
+			ev, err := er.Next()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := string(early) + string(ev.Raw[ev.Sent:]); got != tc.stream {
+				t.Fatalf("sent and the rest of Raw are not the stream (%d + %d bytes)", len(early), len(ev.Raw)-ev.Sent)
+			}
+			if string(ev.Raw) != tc.stream || ev.Sent != len(early) {
+				t.Fatalf("Raw %d bytes, Sent %d, early %d", len(ev.Raw), ev.Sent, len(early))
+			}
+			if (len(early) > 0) != tc.early {
+				t.Fatalf("%d bytes sent early, want some: %v", len(early), tc.early)
+			}
+			if bytes.Contains(early, []byte("id:")) {
+				t.Fatal("an id line was sent before its event was read")
+			}
+		})
+	}
+}
+
+type writerFunc func([]byte) (int, error)
+
+func (f writerFunc) Write(b []byte) (int, error) { return f(b) }

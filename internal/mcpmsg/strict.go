@@ -232,15 +232,27 @@ func skipValue(b []byte, i int) int {
 	}
 }
 
-// skipString returns the end of the string starting at b[i].
+// skipString returns the end of the string starting at b[i]. It finds
+// quotes and backslashes with bytes.IndexByte, not a byte at a time: a
+// 1 MiB result is skipped several times. A quote found is kept until the
+// scan passes it, so a string of many escapes is still read once.
 func skipString(b []byte, i int) int {
-	for i++; i < len(b); i++ {
-		switch b[i] {
-		case '\\':
-			i++
-		case '"':
-			return i + 1
+	i++
+	q := -1 // the first quote at or after i, or len(b)
+	for i < len(b) {
+		if q < i {
+			q = bytes.IndexByte(b[i:], '"')
+			if q < 0 {
+				q = len(b)
+			} else {
+				q += i
+			}
 		}
+		k := bytes.IndexByte(b[i:q], '\\')
+		if k < 0 {
+			return min(q+1, len(b))
+		}
+		i += k + 2 // past the backslash and the byte it escapes
 	}
 	return i
 }

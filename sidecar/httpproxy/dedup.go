@@ -1,7 +1,6 @@
 package httpproxy
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -233,13 +232,17 @@ func (p *Proxy) relaySSE(in *http.Request, resp *http.Response, rb *readTracker,
 	}
 	s.header(resp.StatusCode, h)
 	er := mcpmsg.NewEventReader(events, int(p.opts.MaxResponseBytes))
+	// A large event (a large result) is relayed as it is read, up to an
+	// id line, rather than after its end: the client gets its last byte
+	// about when the sidecar does.
+	er.Stream(s)
 	var oversized int64
 	for {
 		ev, err := er.Next()
 		if errors.Is(err, mcpmsg.ErrEventTooLarge) {
 			// Relay it whole without keeping it, and read on: if it was
 			// not our response, the response still follows.
-			s.write(ev.Raw)
+			s.write(ev.Raw[ev.Sent:])
 			n, serr := er.SkipEvent(s, nil)
 			oversized = max(oversized, int64(len(ev.Raw))+n)
 			if serr == nil {
@@ -258,12 +261,13 @@ func (p *Proxy) relaySSE(in *http.Request, resp *http.Response, rb *readTracker,
 			if c != nil {
 				c.sawEvent(ev.Raw)
 			}
-			s.write(ev.Raw)
+			s.write(ev.Raw[ev.Sent:])
 			if err == nil && ev.HasData && isResponseTo(ev.Data, id) {
 				if c != nil {
 					p.resumes.remove(c)
 				}
-				up.Response, up.Valid = bytes.Clone(ev.Data), true
+				// Data is the reader's own (a run of Raw): no copy.
+				up.Response, up.Valid = ev.Data, true
 				s.setTail(resp.Body, er.Rest(), rb)
 				return up, nil
 			}

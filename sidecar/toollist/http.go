@@ -101,12 +101,29 @@ func (w *watchWriter) Write(b []byte) (int, error) {
 			w.notify()
 		}
 	}
-	if bytes.Contains(b, listChanged) {
+	if hasListChanged(b) {
 		w.notify()
 	}
 	keep := min(len(b), len(listChanged)-1)
 	w.tail = append(w.tail[:0], b[len(b)-keep:]...)
 	return w.ResponseWriter.Write(b)
+}
+
+// hasListChanged is bytes.Contains(b, listChanged) found from its quotes:
+// bytes.Index falls back to comparing at every byte once the first byte
+// matches often, which a result full of escaped quotes makes it do, at
+// about 1 ms for a 1 MiB replay.
+func hasListChanged(b []byte) bool {
+	for {
+		i := bytes.IndexByte(b, '"')
+		if i < 0 {
+			return false
+		}
+		if bytes.HasPrefix(b[i:], listChanged) {
+			return true
+		}
+		b = b[i+1:]
+	}
 }
 
 func (w *watchWriter) notify() {
