@@ -45,10 +45,13 @@ var ErrEventTooLarge = errors.New("server-sent event over the size limit")
 // the Go SDK's client dispatches it, and the sidecar must see every
 // response its clients see.
 type EventReader struct {
-	src  io.Reader
-	buf  []byte
-	r, w int
-	err  error // sticky error of src
+	src io.Reader
+	buf []byte
+	// chunk is the part of buf Next is parsing, which stands for Raw from
+	// len(Raw) on until Next appends what the event used.
+	chunk []byte
+	r, w  int
+	err   error // sticky error of src
 	// filled: the last read filled buf, so the stream is not small.
 	filled bool
 	max    int
@@ -152,12 +155,15 @@ func (er *EventReader) Next() (Event, error) {
 			return ev, fmt.Errorf("%w (%d bytes)", ErrEventTooLarge, er.max)
 		}
 		chunk := er.buf[er.r:min(er.w, er.r+room)]
-		// Into Raw first, so that data can be a run of it; then cut to
-		// what the event used.
+		// Parsed where it lies, as if it were Raw from base on, so that
+		// data can be a run of Raw; then only what the event used goes
+		// into Raw. (Copied whole first, every small event cost a copy of
+		// the buffer behind it, up to 32 KiB.)
 		base := len(er.ev.Raw)
-		er.ev.Raw = er.appendRaw(chunk)
+		er.chunk = chunk
 		n, done := er.consume(chunk, base)
-		er.ev.Raw = er.ev.Raw[:base+n]
+		er.chunk = nil
+		er.ev.Raw = er.appendRaw(chunk[:n])
 		er.r += n
 		if done {
 			return er.take(), nil
@@ -289,6 +295,20 @@ func (er *EventReader) appendRaw(b []byte) []byte {
 	return append(raw, b...)
 }
 
+// appendRawRange appends Raw[from:to] to dst. While Next parses a chunk,
+// the positions from len(Raw) on are in that chunk, not yet in Raw.
+func (er *EventReader) appendRawRange(dst []byte, from, to int) []byte {
+	in := len(er.ev.Raw)
+	if from < in {
+		dst = append(dst, er.ev.Raw[from:min(to, in)]...)
+		from = min(to, in)
+	}
+	if from < to {
+		dst = append(dst, er.chunk[from-in:to-in]...)
+	}
+	return dst
+}
+
 // consume runs the parser over b and returns how many bytes it used, and
 // whether they end an event. base is where b is in Raw, or -1 when Raw is
 // not kept (SkipEvent).
@@ -414,7 +434,7 @@ func (er *EventReader) appendData(b []byte, pos int) {
 		er.dataInRaw, er.dataFrom, er.dataTo = true, pos, pos+len(b)
 		return
 	case er.dataInRaw:
-		er.ev.Data = append(er.ev.Data, er.ev.Raw[er.dataFrom:er.dataTo]...)
+		er.ev.Data = er.appendRawRange(er.ev.Data, er.dataFrom, er.dataTo)
 		er.dataInRaw = false
 	}
 	er.ev.Data = append(er.ev.Data, b...)
