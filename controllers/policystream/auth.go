@@ -101,8 +101,11 @@ func (s *Server) authorize(ctx context.Context, r *http.Request, namespace, name
 	var pod corev1.Pod
 	key := client.ObjectKey{Namespace: saNamespace, Name: podNames[0]}
 	err := s.pods.Get(ctx, key, &pod)
-	if apierrors.IsNotFound(err) {
-		// The cache may not have seen a pod that started a moment ago.
+	if apierrors.IsNotFound(err) && !ticketed {
+		// The cache may not have seen a pod that started a moment ago. A
+		// ticket's pod was there when a replica issued it, and this one's
+		// cache was synced before it served: asking the API server again
+		// would give whoever replays an old ticket an unthrottled GET.
 		err = s.apiReader.Get(ctx, key, &pod)
 	}
 	switch {
@@ -118,7 +121,7 @@ func (s *Server) authorize(ctx context.Context, r *http.Request, namespace, name
 		return nil, forbidden("pod %s is labelled %s=%q, not %q", key, v1alpha1.LabelPolicy, got, name)
 	}
 	who := &caller{pod: pod.Name, uid: string(pod.UID), expires: tokenExpiry(token)}
-	if c, ok := claimsOf(st, token); ok && s.ticketKey != nil {
+	if c, ok := claimsOf(st, token, time.Now()); ok && s.ticketKey != nil {
 		if k, err := s.ticketKey(); err == nil {
 			who.ticket = issueTicket(k, token, c)
 		}
@@ -143,7 +146,7 @@ func (s *Server) fromTicket(ctx context.Context, r *http.Request, token string) 
 		}
 	}
 	tokenReviews.WithLabelValues(reviewTicketRefused).Inc()
-	log.FromContext(ctx).V(1).Info("Refused a review ticket, reviewing the token instead", "reason", err.Error())
+	log.FromContext(ctx).V(1).Info("Refused a review ticket, reviewing the token instead", "reason", err.Error(), "remote", r.RemoteAddr, "path", r.URL.Path)
 	return authnv1.TokenReviewStatus{}, false
 }
 

@@ -145,14 +145,24 @@ func openTicket(key []byte, ticket, token string, now time.Time) (authnv1.TokenR
 	}, nil
 }
 
-// claimsOf is what a ticket for st and token says; ok is false when st
-// would not make one (not bound to a pod, no expiry).
-func claimsOf(st authnv1.TokenReviewStatus, token string) (ticketClaims, bool) {
+// maxTicketLife bounds a ticket whatever its token's expiry says: the
+// serving key signs tickets, so whoever steals it could mint a ticket for
+// a token of their own making, and this bounds for how long. A kubelet
+// replaces a pod's token well within it (at 80% of its hour), and a
+// sidecar with a new token is reviewed anyway.
+const maxTicketLife = time.Hour
+
+// claimsOf is what a ticket for st and token, issued at now, says; ok is
+// false when st would not make one (not bound to a pod, no expiry).
+func claimsOf(st authnv1.TokenReviewStatus, token string, now time.Time) (ticketClaims, bool) {
 	ns, sa, ok := serviceAccount(st.User.Username)
 	names, uids := st.User.Extra[extraPodName], st.User.Extra[extraPodUID]
 	exp := tokenExpiry(token)
 	if !ok || len(names) != 1 || len(uids) != 1 || exp.IsZero() {
 		return ticketClaims{}, false
+	}
+	if limit := now.Add(maxTicketLife); exp.After(limit) {
+		exp = limit
 	}
 	return ticketClaims{Namespace: ns, ServiceAccount: sa, Pod: names[0], UID: uids[0], Expires: exp.Unix()}, true
 }

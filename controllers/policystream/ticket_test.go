@@ -46,7 +46,7 @@ func TestReviewTicket(t *testing.T) {
 	if err != nil {
 		t.Fatalf("a fresh ticket with its token: %v", err)
 	}
-	if got, ok := claimsOf(st, token); !ok || got != claims {
+	if got, ok := claimsOf(st, token, now); !ok || got != claims {
 		t.Fatalf("the ticket stands for %+v, want %+v", got, claims)
 	}
 	if !st.Authenticated || st.User.Username != "system:serviceaccount:shop:mcp" {
@@ -80,5 +80,20 @@ func TestReviewTicket(t *testing.T) {
 
 	if got := issueTicket(key, token, ticketClaims{Namespace: "shop", ServiceAccount: "mcp", Pod: "mcp-0", UID: "uid-0"}); got != "" {
 		t.Fatalf("a token without expiry got ticket %q, want none", got)
+	}
+
+	// A token that claims to last a thousand years gets a ticket that
+	// lasts at most maxTicketLife: a stolen serving key mints no ticket
+	// for longer than that.
+	far := jwtWithExp(now.AddDate(1000, 0, 0), "c")
+	c, ok := claimsOf(st, far, now)
+	if !ok {
+		t.Fatal("no claims for a token with an expiry")
+	}
+	if exp := time.Unix(c.Expires, 0); exp.After(now.Add(maxTicketLife)) {
+		t.Fatalf("a ticket issued now lasts until %s, longer than %s", exp, maxTicketLife)
+	}
+	if _, err := openTicket(key, issueTicket(key, far, c), far, now.Add(maxTicketLife+time.Second)); err == nil || !strings.Contains(err.Error(), "expired") {
+		t.Fatalf("a ticket past maxTicketLife: got %v, want expired", err)
 	}
 }
