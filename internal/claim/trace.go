@@ -189,7 +189,7 @@ func storeOp(ctx context.Context, op string, fn func(context.Context) error) err
 // storeSpan is what every span of one store operation starts with, made
 // once: its name and start options are the same for every call.
 type storeSpan struct {
-	name string
+	name  string
 	attrs []attribute.KeyValue
 }
 
@@ -202,7 +202,7 @@ func storeSpanOf(op string) *storeSpan {
 		return s.(*storeSpan)
 	}
 	s, _ := storeSpans.LoadOrStore(op, &storeSpan{
-		name: "idemcp.store " + op,
+		name:  "idemcp.store " + op,
 		attrs: []attribute.KeyValue{tracing.StoreOperation.String(op)},
 	})
 	return s.(*storeSpan)

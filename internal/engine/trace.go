@@ -26,6 +26,11 @@ type Tracing struct {
 	// Provider returns the TracerProvider; it is asked only once a call is
 	// traced (tracing.Lazy makes its exporter then).
 	Provider func() trace.TracerProvider
+	// Fixed says that Provider returns the same provider every time (as
+	// tracing.Lazy's does), so its tracer is asked for once. Otherwise (an
+	// embedding application's global provider, which it may replace) it is
+	// asked for every traced call.
+	Fixed bool
 	// On traces every call; otherwise only those of a policy with
 	// spec.tracing.enabled.
 	On bool
@@ -41,13 +46,16 @@ func NewTracing(on bool, service string, log *slog.Logger) (Tracing, *tracing.La
 	lazy := tracing.NewLazy(service, func(err error) {
 		log.Error("Tracing is turned on but its exporter cannot be made; no spans are exported", "err", err)
 	})
-	return Tracing{Provider: lazy.Provider, On: on}, lazy
+	return Tracing{Provider: lazy.Provider, Fixed: true, On: on}, lazy
 }
 
 // tracer is the tracer for a call under p, or nil when it is not traced.
 func (e *Engine) tracer(p *policy.Policy) trace.Tracer {
 	if e.tracing.Provider == nil || !e.tracing.On && (p.Spec.Tracing == nil || !p.Spec.Tracing.Enabled) {
 		return nil
+	}
+	if !e.tracing.Fixed {
+		return e.tracing.Provider().Tracer(tracing.ScopeName)
 	}
 	if t := e.tracerMade.Load(); t != nil {
 		return *t
@@ -134,9 +142,11 @@ func (e *Engine) StartCall(ctx context.Context, ci CallInfo) (context.Context, *
 	if !span.IsRecording() {
 		// Not sampled: nothing is recorded of the call, and the store's
 		// spans and the trace trailer are only for sampled calls, so the
-		// call goes on untraced. The caller's trace context is forwarded
-		// as it came either way.
-		return ctx, nil
+		// call goes on untraced. Its context keeps the unsampled span, so
+		// that no store span joins a sampled span the context carried
+		// (an embedding application's). The caller's trace context is
+		// forwarded as it came either way.
+		return spanCtx, nil
 	}
 	cs := &CallSpan{span: span}
 	add := func(kv attribute.KeyValue) { cs.attrs[cs.n] = kv; cs.n++ }
