@@ -56,8 +56,11 @@ func (p *proc) stop() {
 // for 250 calls of half a millisecond). A Go process's threads live as
 // long as it does, so none of its time is lost with a thread.
 func cpuTime(pid int) time.Duration {
-	if d, ok := schedTime(pid); ok {
-		return d
+	if v, ok := cpuSource.Load(pid); !ok || v.(bool) {
+		d, ok := schedTime(pid)
+		if v, _ := cpuSource.LoadOrStore(pid, ok); v.(bool) {
+			return d // 0 if schedstat failed since: never a tick count
+		}
 	}
 	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
 	if err != nil {
@@ -74,6 +77,11 @@ func cpuTime(pid int) time.Duration {
 	s, _ := strconv.ParseInt(f[12], 10, 64)
 	return time.Duration(u+s) * 10 * time.Millisecond
 }
+
+// cpuSource is whether each process's CPU time is read from schedstat,
+// decided at its first read, so that a batch's two reads are never one
+// in nanoseconds and one in clock ticks.
+var cpuSource sync.Map // pid → bool
 
 func schedTime(pid int) (time.Duration, bool) {
 	tasks, err := os.ReadDir(fmt.Sprintf("/proc/%d/task", pid))
@@ -182,14 +190,13 @@ type procEnv struct {
 	// sideTraced is sideRedis with tracing on; traceEnv, the environment
 	// start gives the process being started.
 	sideTraced *proc
-	// sideUnsampled is sideTraced sampling nothing (always_off): every
-	// tracing code path of a call runs, and no span is recorded. Tracing
-	// off does a part of that work, so this row bounds what off costs.
+	// sideUnsampled is sideTraced sampling nothing (always_off): what a
+	// call the sampler drops costs over tracing off.
 	sideUnsampled *proc
 	traceEnv      []string
-	rows       []*procRow
-	p999       map[*procRow]map[string][]float64
-	nginxNote  string
+	rows          []*procRow
+	p999          map[*procRow]map[string][]float64
+	nginxNote     string
 	// pingHot and pingGapped: PING p50 back to back and with pingGap
 	// between pings, per round.
 	pingHot, pingGapped []float64
@@ -529,7 +536,7 @@ func procSection(w *bytes.Buffer, c config) error {
 		add("idemcp replayed, "+s.name, "replay "+s.name, s.p, replay, true)
 	}
 	add("idemcp executed (new arguments each call), redis, tracing on (100% sampled)", "exec redis traced", e.sideTraced, exec, true)
-	add("idemcp executed (new arguments each call), redis, tracing on, 0% sampled (bounds tracing off)", "exec redis unsampled", e.sideUnsampled, exec, true)
+	add("idemcp executed (new arguments each call), redis, tracing on, 0% sampled", "exec redis unsampled", e.sideUnsampled, exec, true)
 	for _, l := range []struct {
 		name, short string
 		p           *proc

@@ -73,8 +73,8 @@ func mib(kb float64) float64 { return kb / 1024 }
 func (e *procEnv) report(w *bytes.Buffer, c config, conc, chart string) {
 	fmt.Fprintf(w, "\n## 0. Headline: every part in its own process\n\n")
 	fmt.Fprintf(w, "The load generator (the bench program), the counting MCP server of test/mcpserver (Go SDK, stateless, 2026-07-28),\n")
-	fmt.Fprintf(w, "the plain Go proxy (test/bench/cmd/plainproxy), nginx, redis-server and two `idemcp-proxy sidecar` processes (memory\n")
-	fmt.Fprintf(w, "store, Redis store) each run in a process of their own. A proxy's CPU is its threads' time on a CPU over the batch\n")
+	fmt.Fprintf(w, "the plain Go proxy (test/bench/cmd/plainproxy), nginx, redis-server and the `idemcp-proxy sidecar` processes (memory\n")
+	fmt.Fprintf(w, "store; Redis store; Redis store traced at 100%% and at 0%% sampling) each run in a process of their own. A proxy's CPU is its threads' time on a CPU over the batch\n")
 	fmt.Fprintf(w, "(/proc/PID/task/*/schedstat, nanoseconds); peak RSS is its VmHWM at the end of the run. %d rounds; in each, every row runs %d calls\n", e.rounds, c.seqN)
 	fmt.Fprintf(w, "from 1 client and %d calls from %d clients, the rows in rotated order. Every figure is the median over the\n", c.procConcN, c.procClients)
 	fmt.Fprintf(w, "rounds. The load on this shared machine is in the header; absolute figures move with it, the ratios less so.\n\n")
@@ -104,7 +104,9 @@ func (e *procEnv) report(w *bytes.Buffer, c config, conc, chart string) {
 	}
 	fmt.Fprintf(w, "### A 1 MiB result, 1 client\n\n`charge_card` padding its result to 1 MiB, %d calls per row per round (1 MiB here is 1,048,576 bytes of padding;\n", c.largeN)
 	fmt.Fprintf(w, "the policy's maxResultBytes is 4Mi, so it is stored and replayed). These rows have a Go proxy and a sidecar process of their\n")
-	fmt.Fprintf(w, "own, so the stored results do not count in the other rows' peak RSS; the peak RSS here is that of those processes.\n\n")
+	fmt.Fprintf(w, "own, so the stored results do not count in the other rows' peak RSS. Peak RSS here is that of those two processes at the end\n")
+	fmt.Fprintf(w, "of the run, the same for both sidecar rows: it holds every 1 MiB result the executed row stored (the memory store keeps\n")
+	fmt.Fprintf(w, "them for the policy's ttl); what a call in flight costs is the in-flight goal row below.\n\n")
 	fmt.Fprintf(w, "| path | p50 µs | p99 µs | req/s | proxy CPU ms / 1000 calls | peak RSS MiB |\n| --- | ---: | ---: | ---: | ---: | ---: |\n")
 	for _, r := range e.rows {
 		if !r.large {
