@@ -124,6 +124,9 @@ type callSpanKey struct{}
 // ends it with End once the client is answered. A call that is not
 // traced, or whose span is not sampled, gets ctx as it is and a nil span.
 func (e *Engine) StartCall(ctx context.Context, ci CallInfo) (context.Context, *CallSpan) {
+	if !tracing.Built {
+		return ctx, nil
+	}
 	t := e.tracer(e.policy.Load())
 	if t == nil {
 		return ctx, nil
@@ -187,7 +190,7 @@ func requestID(id json.RawMessage) string {
 func CallSpanFrom(ctx context.Context) *CallSpan { return callSpanOf(ctx) }
 
 func callSpanOf(ctx context.Context) *CallSpan {
-	if ctx == nil {
+	if !tracing.Built || ctx == nil {
 		return nil
 	}
 	cs, _ := ctx.Value(callSpanKey{}).(*CallSpan)

@@ -217,6 +217,9 @@ const allowedMethods = "GET, POST, DELETE, OPTIONS"
 
 // callInfo is what a tools/call's span says of its request.
 func (p *Proxy) callInfo(r *http.Request, tool string, id json.RawMessage, meta map[string]json.RawMessage) engine.CallInfo {
+	if !tracing.Built {
+		return engine.CallInfo{}
+	}
 	return engine.CallInfo{
 		Tool: tool, RequestID: id, Meta: meta, Transport: "tcp",
 		Session: r.Header.Get(HeaderSessionID), ProtocolVersion: r.Header.Get("Mcp-Protocol-Version"),

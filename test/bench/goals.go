@@ -140,9 +140,13 @@ func (e *procEnv) goals(conc string) []goalRow {
 				short: "traced p50 /untraced @" + mode, p: perRound(traced, off, mode, statRatio(p50us)), limit: 1.10, kind: below, spread: true})
 		}
 	}
-	// What a call the sampler drops costs over tracing off. (What off
-	// costs over no tracing code at all is not measured here: the off
-	// path is a nil check per call and a context lookup per step.)
+	if off, none := e.row("exec redis"), e.row("exec redis notracing"); off != nil && none != nil {
+		for _, mode := range []string{"1", conc} {
+			add(goalRow{goal: "tracing off costs nothing measurable", figure: "CPU per call, executed redis, tracing off / built without tracing code, " + mode + " client(s)",
+				short: "off CPU /no tracing @" + mode, p: cpuRatio(off, none, mode), limit: 1.05, kind: atMost, spread: true})
+		}
+	}
+	// What a call the sampler drops costs over tracing off.
 	if unsampled, off := e.row("exec redis unsampled"), e.row("exec redis"); unsampled != nil && off != nil {
 		for _, mode := range []string{"1", conc} {
 			add(goalRow{goal: "tracing on, 0% sampled: CPU per executed call ≤ 1.05x off", figure: "CPU per call, executed redis 0% sampled / untraced, " + mode + " client(s)",

@@ -193,6 +193,9 @@ type procEnv struct {
 	// sideUnsampled is sideTraced sampling nothing (always_off): what a
 	// call the sampler drops costs over tracing off.
 	sideUnsampled *proc
+	// sideNoTracing is sideRedis built with the notracing tag: no tracing
+	// code on a call's path, against which tracing off is measured.
+	sideNoTracing *proc
 	traceEnv      []string
 	rows          []*procRow
 	p999          map[*procRow]map[string][]float64
@@ -260,11 +263,22 @@ func (e *procEnv) build() error {
 		}
 		e.bins[name] = out
 	}
+	// The data plane without tracing code on a call's path, for what
+	// tracing off costs.
+	out := filepath.Join(e.tmp, "proxy-notracing")
+	if b, err := exec.Command("go", "build", "-tags", "notracing", "-o", out, "./cmd/idemcp-proxy").CombinedOutput(); err != nil {
+		return fmt.Errorf("go build -tags notracing ./cmd/idemcp-proxy: %w: %s", err, b)
+	}
+	e.bins["proxy-notracing"] = out
 	return nil
 }
 
 func (e *procEnv) sidecar(name, upstream string, extra ...string) (*proc, error) {
-	return e.start(name, e.bins["proxy"], func(a string) []string {
+	return e.sidecarOf(e.bins["proxy"], name, upstream, extra...)
+}
+
+func (e *procEnv) sidecarOf(bin, name, upstream string, extra ...string) (*proc, error) {
+	return e.start(name, bin, func(a string) []string {
 		return append([]string{"sidecar", "--listen", a, "--upstream", upstream, "--policy-file", filepath.Join(e.tmp, "policy.yaml"),
 			"--admin-listen", "", "--log-level", "error"}, extra...)
 	})
@@ -509,6 +523,9 @@ func procSection(w *bytes.Buffer, c config) error {
 		return err
 	}
 	e.traceEnv = nil
+	if e.sideNoTracing, err = e.sidecarOf(e.bins["proxy-notracing"], "sidecar (redis, built without tracing)", e.server.url, "--store", "redis", "--redis-addr", e.redisProc.addr); err != nil {
+		return err
+	}
 
 	exec := httpScenarios[2]
 	pass := httpScenarios[1]
@@ -537,6 +554,7 @@ func procSection(w *bytes.Buffer, c config) error {
 	}
 	add("idemcp executed (new arguments each call), redis, tracing on (100% sampled)", "exec redis traced", e.sideTraced, exec, true)
 	add("idemcp executed (new arguments each call), redis, tracing on, 0% sampled", "exec redis unsampled", e.sideUnsampled, exec, true)
+	add("idemcp executed (new arguments each call), redis, built without tracing code", "exec redis notracing", e.sideNoTracing, exec, true)
 	for _, l := range []struct {
 		name, short string
 		p           *proc
