@@ -288,7 +288,7 @@ func TestSmallEventsCostTheirSize(t *testing.T) {
 	var last Event
 	for i := 0; ; i++ {
 		ev, err := er.Next()
-		if err == io.EOF {
+		if errors.Is(err, io.EOF) {
 			break
 		}
 		if err != nil {
