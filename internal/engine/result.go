@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"crypto/sha256"
 	"encoding/hex"
-	"encoding/json"
 
 	"github.com/idemcp/idemcp/internal/mcpmsg"
 )
@@ -27,7 +26,7 @@ func (e *Engine) replayable(p *Plan, resp []byte) ([]byte, string) {
 // replayableChecked is replayable of a response the transport has already
 // checked is JSON when valid is true.
 func (e *Engine) replayableChecked(p *Plan, resp []byte, valid bool) ([]byte, string) {
-	if !valid && !json.Valid(resp) {
+	if !valid && !mcpmsg.Valid(resp) {
 		return nil, ReasonTransport
 	}
 	top, ok := mcpmsg.Members(resp)

@@ -88,7 +88,7 @@ func Sniff(body []byte) (Kind, error) {
 		case '[':
 			return Batch, nil
 		default:
-			if !json.Valid(body) {
+			if !Valid(body) {
 				return 0, &Error{Code: CodeParseError, Message: "body is not JSON: a JSON-RPC message must be a JSON object (or an array, for a batch)"}
 			}
 			return 0, invalidRequest("body is %s, not a JSON-RPC message: it must be a JSON object (or an array, for a batch)", kindOf(body))

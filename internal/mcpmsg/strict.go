@@ -52,7 +52,7 @@ type member struct {
 	value json.RawMessage
 }
 
-// objectMembers returns the members of raw, a JSON value that json.Valid
+// objectMembers returns the members of raw, a JSON value that Valid
 // accepted, in order. where names the object in errors. It refuses an
 // object whose member names repeat or are not I-JSON, and any member whose
 // name equals one of known without regard to case but is not spelled
@@ -137,7 +137,7 @@ type Member struct {
 	Start, End int
 }
 
-// Members lists the members of obj, a JSON value that json.Valid accepted,
+// Members lists the members of obj, a JSON value that Valid accepted,
 // in order, duplicates included; ok is false for anything that is not an
 // object. It is the cheap, lenient reader for what the proxy only looks
 // at (a server's response); names that are not I-JSON are decoded as
@@ -386,12 +386,12 @@ func DecodeToolCall(params json.RawMessage) (*ToolCall, error) {
 }
 
 // decodeToolCall is DecodeToolCall; valid says params is part of a message
-// json.Valid already accepted (Parse), so it is not scanned again.
+// Valid already accepted (Parse), so it is not scanned again.
 func decodeToolCall(params json.RawMessage, valid bool) (*ToolCall, error) {
 	if len(params) == 0 || string(params) == "null" {
 		return nil, invalidParams("tools/call has no params; it needs params.name")
 	}
-	if !valid && !json.Valid(params) {
+	if !valid && !Valid(params) {
 		return nil, invalidParams("tools/call params are not valid JSON")
 	}
 	ms, err := objectMembers(params, "tools/call params", "name", "arguments", "_meta")
@@ -433,7 +433,7 @@ func CancelledRequestID(params json.RawMessage) (json.RawMessage, error) {
 	if len(params) == 0 || string(params) == "null" {
 		return nil, nil
 	}
-	if !json.Valid(params) {
+	if !Valid(params) {
 		return nil, invalidParams("notifications/cancelled params are not valid JSON")
 	}
 	ms, err := objectMembers(params, "notifications/cancelled params", "requestId", "reason")
@@ -452,7 +452,7 @@ func CancelledRequestID(params json.RawMessage) (json.RawMessage, error) {
 }
 
 // arrayElements returns the raw elements of raw, a JSON array that
-// json.Valid accepted.
+// Valid accepted.
 func arrayElements(raw []byte, where string) ([]json.RawMessage, error) {
 	i := skipSpace(raw, 0)
 	if i >= len(raw) || raw[i] != '[' {
@@ -501,7 +501,7 @@ type Tool struct {
 // is left out, so it stays unknown and is deduplicated; a result that is not
 // a list of tools is an error.
 func DecodeToolsList(result json.RawMessage) (tools []Tool, nextCursor string, err error) {
-	if !json.Valid(result) {
+	if !Valid(result) {
 		return nil, "", errors.New("tools/list result is not valid JSON")
 	}
 	ms, err := objectMembers(result, "tools/list result", "tools", "nextCursor")
@@ -571,7 +571,7 @@ func decodeTool(raw json.RawMessage) (Tool, bool) {
 // BatchElements returns the messages of a batch (a JSON array), or an
 // error if body is not valid JSON or not an array.
 func BatchElements(body []byte) ([]json.RawMessage, error) {
-	if !json.Valid(body) {
+	if !Valid(body) {
 		return nil, errors.New("batch is not valid JSON")
 	}
 	return arrayElements(body, "batch")
@@ -581,7 +581,7 @@ func BatchElements(body []byte) ([]json.RawMessage, error) {
 // is "id" in any letter case, duplicates included: the ids a lenient
 // reader might take from a message the strict decoder refused.
 func LooseIDs(data []byte) []json.RawMessage {
-	if !json.Valid(data) {
+	if !Valid(data) {
 		return nil
 	}
 	i := skipSpace(data, 0)
@@ -641,7 +641,7 @@ func OtherTypeIDKey(id json.RawMessage) (string, bool) {
 	}
 	if id[0] == '"' {
 		s, _, ok := readString(id, 0)
-		if !ok || !json.Valid([]byte(s)) {
+		if !ok || !Valid([]byte(s)) {
 			return "", false
 		}
 		if n, ok := exactNumber([]byte(s)); ok {
@@ -660,7 +660,7 @@ func OtherTypeIDKey(id json.RawMessage) (string, bool) {
 // when one of them is the protocol version (2026-07-28 requests carry it
 // there); nil otherwise.
 func ProtocolMeta(params json.RawMessage) json.RawMessage {
-	if len(params) == 0 || params[0] != '{' || !json.Valid(params) {
+	if len(params) == 0 || params[0] != '{' || !Valid(params) {
 		return nil
 	}
 	ms, err := objectMembers(params, "params")

@@ -42,7 +42,7 @@ func (w *Wrapper) fromClient(line []byte) {
 		w.refuse(nil, mcpmsg.ErrorCode(err), "a line from the client is not a JSON-RPC message: "+err.Error())
 		return
 	}
-	if !json.Valid(line) {
+	if !mcpmsg.Valid(line) {
 		w.refuse(nil, mcpmsg.CodeParseError, "a line from the client is not JSON")
 		return
 	}
@@ -328,7 +328,7 @@ func (w *Wrapper) fromChild(line []byte) {
 		return
 	}
 	kind, err := mcpmsg.Sniff(line)
-	if err != nil || !json.Valid(line) {
+	if err != nil || !mcpmsg.Valid(line) {
 		// Servers must log to stderr; a stray line on stdout would break
 		// the client's stream.
 		w.log.Warn("Dropped a line the MCP server wrote to stdout that is not JSON-RPC", "line", truncate(line, 200))
