@@ -119,7 +119,7 @@ func New(o Options) (*Middleware, error) {
 	}
 	tracing := engine.Tracing{Provider: otel.GetTracerProvider}
 	if tp := o.TracerProvider; tp != nil {
-		tracing = engine.Tracing{Provider: func() trace.TracerProvider { return tp }, Fixed: true, On: true}
+		tracing = engine.Tracing{Provider: func() trace.TracerProvider { return tp }, On: true}
 	}
 	return &Middleware{
 		engine: engine.New(engine.Options{Policy: pol, Store: st, Metrics: engine.NewMetrics(o.Registerer), Logger: o.Logger, Tracing: tracing}),

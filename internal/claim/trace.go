@@ -5,11 +5,9 @@ import (
 	"context"
 	"errors"
 	"sync"
-	"sync/atomic"
 
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
-	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemcp/idemcp/internal/store"
@@ -177,7 +175,7 @@ func storeOp(ctx context.Context, op string, fn func(context.Context) error) err
 		return fn(ctx)
 	}
 	s := storeSpanOf(op)
-	ctx, span := tracerOf(parent.TracerProvider()).Start(ctx, s.name, clientKind)
+	ctx, span := tracing.Tracer(parent.TracerProvider()).Start(ctx, s.name, clientKind)
 	// Given as a start option, the attribute would be copied twice.
 	span.SetAttributes(s.attrs...)
 	defer span.End()
@@ -209,29 +207,6 @@ func storeSpanOf(op string) *storeSpan {
 		attrs: []attribute.KeyValue{tracing.StoreOperation.String(op)},
 	})
 	return s.(*storeSpan)
-}
-
-// lastTracer is the tracer of the SDK provider a store span was last made
-// with: asking a provider for its tracer takes a lock every time, and a
-// process has one provider.
-var lastTracer atomic.Pointer[sdkTracer]
-
-type sdkTracer struct {
-	provider *sdktrace.TracerProvider
-	tracer   trace.Tracer
-}
-
-func tracerOf(tp trace.TracerProvider) trace.Tracer {
-	sdk, ok := tp.(*sdktrace.TracerProvider)
-	if !ok {
-		return tp.Tracer(tracing.ScopeName)
-	}
-	if last := lastTracer.Load(); last != nil && last.provider == sdk {
-		return last.tracer
-	}
-	t := sdk.Tracer(tracing.ScopeName)
-	lastTracer.Store(&sdkTracer{provider: sdk, tracer: t})
-	return t
 }
 
 // storeErrorType names a store error for a span without its message,

@@ -149,7 +149,7 @@ func BenchmarkExecutedTraced(b *testing.B) {
 	}
 	tp := sdktrace.NewTracerProvider(sdktrace.WithBatcher(exp))
 	b.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
-	benchTraced(b, Tracing{Provider: func() trace.TracerProvider { return tp }, Fixed: true, On: true})
+	benchTraced(b, Tracing{Provider: func() trace.TracerProvider { return tp }, On: true})
 }
 
 // BenchmarkExecutedUntraced: BenchmarkExecutedTraced's calls, not traced.
@@ -182,7 +182,7 @@ func benchTraced(b *testing.B, tr Tracing) {
 func BenchmarkExecutedTracedNoExport(b *testing.B) {
 	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(dropSpans{}))
 	b.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
-	benchTraced(b, Tracing{Provider: func() trace.TracerProvider { return tp }, Fixed: true, On: true})
+	benchTraced(b, Tracing{Provider: func() trace.TracerProvider { return tp }, On: true})
 }
 
 // dropSpans is a span processor that keeps nothing.

@@ -51,8 +51,6 @@ type Engine struct {
 	metrics *Metrics
 	log     *slog.Logger
 	tracing Tracing
-	// tracerMade is the tracer of e.tracing.Provider, once a call was traced.
-	tracerMade atomic.Pointer[trace.Tracer]
 
 	instance string
 	pod      string

@@ -26,11 +26,6 @@ type Tracing struct {
 	// Provider returns the TracerProvider; it is asked only once a call is
 	// traced (tracing.Lazy makes its exporter then).
 	Provider func() trace.TracerProvider
-	// Fixed says that Provider returns the same provider every time (as
-	// tracing.Lazy's does), so its tracer is asked for once. Otherwise (an
-	// embedding application's global provider, which it may replace) it is
-	// asked for every traced call.
-	Fixed bool
 	// On traces every call; otherwise only those of a policy with
 	// spec.tracing.enabled.
 	On bool
@@ -46,7 +41,7 @@ func NewTracing(on bool, service string, log *slog.Logger) (Tracing, *tracing.La
 	lazy := tracing.NewLazy(service, func(err error) {
 		log.Error("Tracing is turned on but its exporter cannot be made; no spans are exported", "err", err)
 	})
-	return Tracing{Provider: lazy.Provider, Fixed: true, On: on}, lazy
+	return Tracing{Provider: lazy.Provider, On: on}, lazy
 }
 
 // tracer is the tracer for a call under p, or nil when it is not traced.
@@ -54,15 +49,7 @@ func (e *Engine) tracer(p *policy.Policy) trace.Tracer {
 	if e.tracing.Provider == nil || !e.tracing.On && (p.Spec.Tracing == nil || !p.Spec.Tracing.Enabled) {
 		return nil
 	}
-	if !e.tracing.Fixed {
-		return e.tracing.Provider().Tracer(tracing.ScopeName)
-	}
-	if t := e.tracerMade.Load(); t != nil {
-		return *t
-	}
-	t := e.tracing.Provider().Tracer(tracing.ScopeName)
-	e.tracerMade.Store(&t)
-	return t
+	return tracing.Tracer(e.tracing.Provider())
 }
 
 // CallInfo is what a transport knows of a tools/call for its span. No

@@ -18,6 +18,7 @@ import (
 	"os"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"go.opentelemetry.io/otel/attribute"
@@ -105,6 +106,8 @@ type Lazy struct {
 	mu       sync.Mutex
 	provider trace.TracerProvider
 	shutdown func(context.Context) error
+	// made is provider once made: every traced call asks for it.
+	made atomic.Pointer[trace.TracerProvider]
 }
 
 // NewLazy returns a Lazy provider for service; onError is told once if the
@@ -116,6 +119,9 @@ func NewLazy(service string, onError func(error)) *Lazy {
 
 // Provider returns the provider, made now if it was not yet.
 func (l *Lazy) Provider() trace.TracerProvider {
+	if p := l.made.Load(); p != nil {
+		return *p
+	}
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if l.provider == nil {
@@ -127,6 +133,7 @@ func (l *Lazy) Provider() trace.TracerProvider {
 			tp, shutdown = noop.NewTracerProvider(), func(context.Context) error { return nil }
 		}
 		l.provider, l.shutdown = tp, shutdown
+		l.made.Store(&tp)
 	}
 	return l.provider
 }
@@ -214,3 +221,30 @@ const (
 	// a task read from another session).
 	OutcomeRejected = "rejected"
 )
+
+// lastTracer is the tracer of the SDK provider Tracer was last asked
+// for: asking a provider for its tracer takes a lock every time, and a
+// process has one provider.
+var lastTracer atomic.Pointer[sdkTracer]
+
+type sdkTracer struct {
+	provider *sdktrace.TracerProvider
+	tracer   trace.Tracer
+}
+
+// Tracer is tp's tracer of idemcp's spans. An SDK provider's is kept, for
+// as long as it is the one asked for; any other provider (an embedding
+// application's global one, which delegates and may be replaced) is
+// asked every time.
+func Tracer(tp trace.TracerProvider) trace.Tracer {
+	sdk, ok := tp.(*sdktrace.TracerProvider)
+	if !ok {
+		return tp.Tracer(ScopeName)
+	}
+	if last := lastTracer.Load(); last != nil && last.provider == sdk {
+		return last.tracer
+	}
+	t := sdk.Tracer(ScopeName)
+	lastTracer.Store(&sdkTracer{provider: sdk, tracer: t})
+	return t
+}
