@@ -56,11 +56,9 @@ func (p *proc) stop() {
 // for 250 calls of half a millisecond). A Go process's threads live as
 // long as it does, so none of its time is lost with a thread.
 func cpuTime(pid int) time.Duration {
-	if v, ok := cpuSource.Load(pid); !ok || v.(bool) {
-		d, ok := schedTime(pid)
-		if v, _ := cpuSource.LoadOrStore(pid, ok); v.(bool) {
-			return d // 0 if schedstat failed since: never a tick count
-		}
+	if hasSchedstat {
+		d, _ := schedTime(pid)
+		return d // 0 if it failed: never a tick count beside nanoseconds
 	}
 	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
 	if err != nil {
@@ -78,10 +76,10 @@ func cpuTime(pid int) time.Duration {
 	return time.Duration(u+s) * 10 * time.Millisecond
 }
 
-// cpuSource is whether each process's CPU time is read from schedstat,
-// decided at its first read, so that a batch's two reads are never one
-// in nanoseconds and one in clock ticks.
-var cpuSource sync.Map // pid → bool
+// hasSchedstat is whether this kernel has per-thread schedstat, decided
+// once so that a batch's two reads are never one in nanoseconds and one
+// in clock ticks.
+var _, hasSchedstat = schedTime(os.Getpid())
 
 func schedTime(pid int) (time.Duration, bool) {
 	tasks, err := os.ReadDir(fmt.Sprintf("/proc/%d/task", pid))
