@@ -545,7 +545,10 @@ func TestMinReplicas(t *testing.T) {
 func TestReplayOnlyWhatReplicasHave(t *testing.T) {
 	primary := redistest.Start(t)
 	replica := redistest.StartReplica(t, primary)
-	s := newStore(t, redisstore.Options{Addrs: []string{primary.Addr}, MinReplicas: 1, ReplicaTimeout: 300 * time.Millisecond})
+	// 2s, not less: a replica's acknowledgement took over 300ms on a
+	// loaded CI machine, and a paused replica costs this test the whole
+	// timeout once.
+	s := newStore(t, redisstore.Options{Addrs: []string{primary.Addr}, MinReplicas: 1, ReplicaTimeout: 2 * time.Second})
 	ctx := context.Background()
 
 	c := claim("lonely", time.Minute)
