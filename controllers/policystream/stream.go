@@ -74,7 +74,7 @@ func (s *Server) serveStream(w http.ResponseWriter, r *http.Request) {
 		http.Error(w, fmt.Sprintf("this manager holds its limit of %d policy streams (--policy-stream-max-streams); retry later", s.opts.MaxStreams), http.StatusServiceUnavailable)
 		return
 	}
-	who, err := s.authorize(ctx, r, key.Namespace, key.Name)
+	who, err := offStack(func() (*caller, error) { return s.authorize(ctx, r, key.Namespace, key.Name) })
 	if err != nil {
 		if ref, ok := refusalOf(err); ok {
 			logger.V(1).Info("Refused a policy stream", append(kv, "reason", ref.why)...)
@@ -209,8 +209,8 @@ func (s *Server) readReports(r *http.Request, key types.NamespacedName, c *strea
 			}
 			return
 		}
-		var rep policywire.Report
-		if err := policywire.Decode(line, &rep); err != nil {
+		rep, err := offStack(func() (rep policywire.Report, err error) { return rep, policywire.Decode(line, &rep) })
+		if err != nil {
 			log.FromContext(r.Context()).V(1).Info("Ending a stream that sent a bad report", "pod", c.pod, "err", err.Error())
 			return
 		}
@@ -234,6 +234,25 @@ func (s *Server) readReports(r *http.Request, key types.NamespacedName, c *strea
 		}
 		s.mu.Unlock()
 	}
+}
+
+// offStack runs f on a goroutine that ends with it. A stream's goroutines
+// live as long as the stream, and a goroutine keeps the stack its deepest
+// call grew while a quarter of it stays in use (a GC halves it only
+// below that): a TokenReview, or a report's JSON decode, run on them held
+// that much more for every open stream.
+func offStack[T any](f func() (T, error)) (T, error) {
+	type result struct {
+		v   T
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		v, err := f()
+		done <- result{v, err}
+	}()
+	r := <-done
+	return r.v, r.err
 }
 
 // reportReadBuffer is the read buffer of a stream's reports: most fit.
