@@ -63,8 +63,13 @@ func (s *Server) listen(ctx context.Context) error {
 		Handler:           mux,
 		ReadHeaderTimeout: handshakeTimeout,
 		TLSConfig:         tlsConfig,
-		HTTP2:             &http.HTTP2Config{MaxConcurrentStreams: 4, SendPingTimeout: 30 * time.Second, PingTimeout: 10 * time.Second},
-		BaseContext:       func(net.Listener) context.Context { return ctx },
+		// MaxEncoderHeaderTableSize: the response headers go once a
+		// connection, so indexing them (the review ticket) only kept a
+		// table of them for as long as the stream. Sidecars' decoders
+		// take unindexed fields as they are.
+		HTTP2: &http.HTTP2Config{MaxConcurrentStreams: 4, SendPingTimeout: 30 * time.Second, PingTimeout: 10 * time.Second,
+			MaxEncoderHeaderTableSize: 1},
+		BaseContext: func(net.Listener) context.Context { return ctx },
 	}
 	go s.refreshCA(ctx)
 	errc := make(chan error, 1)

@@ -99,13 +99,16 @@ func (s *Server) serveStream(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 
-	sctx, cancel := context.WithCancel(ctx)
-	defer cancel()
-	if !who.expires.IsZero() {
-		var stop context.CancelFunc
-		sctx, stop = context.WithDeadline(sctx, who.expires)
-		defer stop()
+	// One context, not a deadline's under a cancel's: each is held for as
+	// long as the stream, with its parent's map of children.
+	var sctx context.Context
+	var cancel context.CancelFunc
+	if who.expires.IsZero() {
+		sctx, cancel = context.WithCancel(ctx)
+	} else {
+		sctx, cancel = context.WithDeadline(ctx, who.expires)
 	}
+	defer cancel()
 	c := &stream{pod: who.pod, uid: who.uid, notify: make(chan struct{}, 1), cancel: cancel, keys: make(chan []byte, 4), done: sctx.Done()}
 	poke(c.notify)
 	s.mu.Lock()
