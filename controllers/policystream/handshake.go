@@ -7,6 +7,8 @@ import (
 	"net"
 	"sync"
 	"time"
+
+	"github.com/go-logr/logr"
 )
 
 // handshakeListener hands net/http connections whose TLS handshake is
@@ -19,6 +21,7 @@ type handshakeListener struct {
 	inner   net.Listener
 	config  *tls.Config
 	timeout time.Duration
+	logger  logr.Logger
 
 	ready     chan net.Conn
 	errs      chan error
@@ -26,8 +29,8 @@ type handshakeListener struct {
 	closeOnce sync.Once
 }
 
-func newHandshakeListener(inner net.Listener, config *tls.Config, timeout time.Duration) *handshakeListener {
-	l := &handshakeListener{inner: inner, config: config, timeout: timeout,
+func newHandshakeListener(inner net.Listener, config *tls.Config, timeout time.Duration, logger logr.Logger) *handshakeListener {
+	l := &handshakeListener{inner: inner, config: config, timeout: timeout, logger: logger,
 		ready: make(chan net.Conn), errs: make(chan error), done: make(chan struct{})}
 	go l.accept()
 	return l
@@ -54,13 +57,16 @@ func (l *handshakeListener) accept() {
 }
 
 // handshake bounds the handshake as http.Server does (its
-// ReadHeaderTimeout, for both directions).
+// ReadHeaderTimeout, for both directions). A failed one is the caller's
+// trouble (a sidecar that gave up, a scanner), which http.Server logged
+// on its error log: here at V(1).
 func (l *handshakeListener) handshake(c net.Conn) {
 	tc := tls.Server(c, l.config)
 	ctx, cancel := context.WithTimeout(context.Background(), l.timeout)
 	defer cancel()
 	_ = c.SetDeadline(time.Now().Add(l.timeout))
 	if err := tc.HandshakeContext(ctx); err != nil {
+		l.logger.V(1).Info("TLS handshake failed", "remote", c.RemoteAddr().String(), "err", err.Error())
 		_ = c.Close()
 		return
 	}

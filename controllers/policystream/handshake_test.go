@@ -9,6 +9,8 @@ import (
 	"os"
 	"testing"
 	"time"
+
+	"github.com/go-logr/logr"
 )
 
 // TestHandshakeListener: Accept hands over connections whose handshake is
@@ -24,7 +26,7 @@ func TestHandshakeListener(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	l := newHandshakeListener(inner, serverConfig, 300*time.Millisecond)
+	l := newHandshakeListener(inner, serverConfig, 300*time.Millisecond, logr.Discard())
 	accepted := make(chan net.Conn, 2)
 	acceptErr := make(chan error, 1)
 	go func() {

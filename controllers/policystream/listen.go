@@ -74,7 +74,7 @@ func (s *Server) listen(ctx context.Context) error {
 	go s.refreshCA(ctx)
 	errc := make(chan error, 1)
 	// A clone: http.Server changes its TLSConfig as it starts serving.
-	go func() { errc <- srv.Serve(newHandshakeListener(ln, tlsConfig.Clone(), handshakeTimeout)) }()
+	go func() { errc <- srv.Serve(newHandshakeListener(ln, tlsConfig.Clone(), handshakeTimeout, logger)) }()
 	logger.Info("Serving the policy stream", "addr", ln.Addr().String())
 	select {
 	case err := <-errc:
