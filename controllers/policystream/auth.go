@@ -217,9 +217,35 @@ type reviewCache struct {
 	entries map[[sha256.Size]byte]cachedReview
 }
 
+// cachedReview is what authorize reads of a review: the groups and the
+// other extra keys the API server adds (credential id, node) are not
+// kept, nor the map of them, which took as much again in every entry.
 type cachedReview struct {
-	status authnv1.TokenReviewStatus
-	until  time.Time
+	authenticated   bool
+	err, username   string
+	audiences       []string
+	podName, podUID authnv1.ExtraValue // as the review had them: authorize wants exactly one
+	until           time.Time
+}
+
+func cachedOf(st authnv1.TokenReviewStatus, until time.Time) cachedReview {
+	return cachedReview{authenticated: st.Authenticated, err: st.Error, username: st.User.Username, audiences: st.Audiences,
+		podName: st.User.Extra[extraPodName], podUID: st.User.Extra[extraPodUID], until: until}
+}
+
+func (e cachedReview) status() authnv1.TokenReviewStatus {
+	st := authnv1.TokenReviewStatus{Authenticated: e.authenticated, Error: e.err, Audiences: e.audiences,
+		User: authnv1.UserInfo{Username: e.username}}
+	if e.podName != nil || e.podUID != nil {
+		st.User.Extra = map[string]authnv1.ExtraValue{}
+		if e.podName != nil {
+			st.User.Extra[extraPodName] = e.podName
+		}
+		if e.podUID != nil {
+			st.User.Extra[extraPodUID] = e.podUID
+		}
+	}
+	return st
 }
 
 // refusedReviewTTL is how long a refused token's review is remembered.
@@ -232,7 +258,7 @@ func (c *reviewCache) get(key [sha256.Size]byte, now time.Time) (authnv1.TokenRe
 	if !ok || !now.Before(e.until) {
 		return authnv1.TokenReviewStatus{}, false
 	}
-	return e.status, true
+	return e.status(), true
 }
 
 func (c *reviewCache) put(key [sha256.Size]byte, st authnv1.TokenReviewStatus, until, now time.Time) {
@@ -256,7 +282,7 @@ func (c *reviewCache) put(key [sha256.Size]byte, st authnv1.TokenReviewStatus, u
 			delete(c.entries, k)
 		}
 	}
-	c.entries[key] = cachedReview{status: st, until: until}
+	c.entries[key] = cachedOf(st, until)
 }
 
 // review returns the API server's TokenReview of token for the audience

@@ -58,16 +58,23 @@ func (s *Server) listen(ctx context.Context) error {
 	if s.opts.Routes != nil {
 		s.opts.Routes(mux)
 	}
+	tlsConfig := &tls.Config{GetCertificate: watcher.GetCertificate, MinVersion: tls.VersionTLS12, NextProtos: []string{"h2", "http/1.1"}}
 	srv := &http.Server{
 		Handler:           mux,
-		ReadHeaderTimeout: 10 * time.Second,
-		TLSConfig:         &tls.Config{GetCertificate: watcher.GetCertificate, MinVersion: tls.VersionTLS12, NextProtos: []string{"h2", "http/1.1"}},
-		HTTP2:             &http.HTTP2Config{MaxConcurrentStreams: 4, SendPingTimeout: 30 * time.Second, PingTimeout: 10 * time.Second},
-		BaseContext:       func(net.Listener) context.Context { return ctx },
+		ReadHeaderTimeout: handshakeTimeout,
+		TLSConfig:         tlsConfig,
+		// MaxEncoderHeaderTableSize: the response headers go once a
+		// connection, so indexing them (the review ticket) only kept a
+		// table of them for as long as the stream. Sidecars' decoders
+		// take unindexed fields as they are.
+		HTTP2: &http.HTTP2Config{MaxConcurrentStreams: 4, SendPingTimeout: 30 * time.Second, PingTimeout: 10 * time.Second,
+			MaxEncoderHeaderTableSize: 1},
+		BaseContext: func(net.Listener) context.Context { return ctx },
 	}
 	go s.refreshCA(ctx)
 	errc := make(chan error, 1)
-	go func() { errc <- srv.ServeTLS(ln, "", "") }()
+	// A clone: http.Server changes its TLSConfig as it starts serving.
+	go func() { errc <- srv.Serve(newHandshakeListener(ln, tlsConfig.Clone(), handshakeTimeout, logger)) }()
 	logger.Info("Serving the policy stream", "addr", ln.Addr().String())
 	select {
 	case err := <-errc:
@@ -81,6 +88,10 @@ func (s *Server) listen(ctx context.Context) error {
 	}
 	return nil
 }
+
+// handshakeTimeout bounds a connection's TLS handshake and then its
+// request's header.
+const handshakeTimeout = 10 * time.Second
 
 func (s *Server) refreshCA(ctx context.Context) {
 	if s.opts.CABundle == nil {

@@ -74,7 +74,7 @@ func (s *Server) serveStream(w http.ResponseWriter, r *http.Request) {
 		http.Error(w, fmt.Sprintf("this manager holds its limit of %d policy streams (--policy-stream-max-streams); retry later", s.opts.MaxStreams), http.StatusServiceUnavailable)
 		return
 	}
-	who, err := s.authorize(ctx, r, key.Namespace, key.Name)
+	who, err := offStack(func() (*caller, error) { return s.authorize(ctx, r, key.Namespace, key.Name) })
 	if err != nil {
 		if ref, ok := refusalOf(err); ok {
 			logger.V(1).Info("Refused a policy stream", append(kv, "reason", ref.why)...)
@@ -99,13 +99,16 @@ func (s *Server) serveStream(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 
-	sctx, cancel := context.WithCancel(ctx)
-	defer cancel()
-	if !who.expires.IsZero() {
-		var stop context.CancelFunc
-		sctx, stop = context.WithDeadline(sctx, who.expires)
-		defer stop()
+	// One context, not a deadline's under a cancel's: each is held for as
+	// long as the stream, with its parent's map of children.
+	var sctx context.Context
+	var cancel context.CancelFunc
+	if who.expires.IsZero() {
+		sctx, cancel = context.WithCancel(ctx)
+	} else {
+		sctx, cancel = context.WithDeadline(ctx, who.expires)
 	}
+	defer cancel()
 	c := &stream{pod: who.pod, uid: who.uid, notify: make(chan struct{}, 1), cancel: cancel, keys: make(chan []byte, 4), done: sctx.Done()}
 	poke(c.notify)
 	s.mu.Lock()
@@ -209,8 +212,8 @@ func (s *Server) readReports(r *http.Request, key types.NamespacedName, c *strea
 			}
 			return
 		}
-		var rep policywire.Report
-		if err := policywire.Decode(line, &rep); err != nil {
+		rep, err := offStack(func() (rep policywire.Report, err error) { return rep, policywire.Decode(line, &rep) })
+		if err != nil {
 			log.FromContext(r.Context()).V(1).Info("Ending a stream that sent a bad report", "pod", c.pod, "err", err.Error())
 			return
 		}
@@ -234,6 +237,25 @@ func (s *Server) readReports(r *http.Request, key types.NamespacedName, c *strea
 		}
 		s.mu.Unlock()
 	}
+}
+
+// offStack runs f on a goroutine that ends with it. A stream's goroutines
+// live as long as the stream, and a goroutine keeps the stack its deepest
+// call grew while a quarter of it stays in use (a GC halves it only
+// below that): a TokenReview, or a report's JSON decode, run on them held
+// that much more for every open stream.
+func offStack[T any](f func() (T, error)) (T, error) {
+	type result struct {
+		v   T
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		v, err := f()
+		done <- result{v, err}
+	}()
+	r := <-done
+	return r.v, r.err
 }
 
 // reportReadBuffer is the read buffer of a stream's reports: most fit.
