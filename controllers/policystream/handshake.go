@@ -5,7 +5,6 @@ import (
 	"crypto/tls"
 	"errors"
 	"net"
-	"sync"
 	"time"
 
 	"github.com/go-logr/logr"
@@ -23,15 +22,18 @@ type handshakeListener struct {
 	timeout time.Duration
 	logger  logr.Logger
 
-	ready     chan net.Conn
-	errs      chan error
-	done      chan struct{}
-	closeOnce sync.Once
+	ready chan net.Conn
+	errs  chan error
+	// done ends with Close: the handshakes in progress end with it, as
+	// http.Server's did with its own listener's close.
+	done      context.Context
+	closeDone context.CancelFunc
 }
 
 func newHandshakeListener(inner net.Listener, config *tls.Config, timeout time.Duration, logger logr.Logger) *handshakeListener {
 	l := &handshakeListener{inner: inner, config: config, timeout: timeout, logger: logger,
-		ready: make(chan net.Conn), errs: make(chan error), done: make(chan struct{})}
+		ready: make(chan net.Conn), errs: make(chan error)}
+	l.done, l.closeDone = context.WithCancel(context.Background())
 	go l.accept()
 	return l
 }
@@ -44,7 +46,7 @@ func (l *handshakeListener) accept() {
 		if err != nil {
 			select {
 			case l.errs <- err:
-			case <-l.done:
+			case <-l.done.Done():
 				return
 			}
 			if errors.Is(err, net.ErrClosed) {
@@ -62,18 +64,20 @@ func (l *handshakeListener) accept() {
 // on its error log: here at V(1).
 func (l *handshakeListener) handshake(c net.Conn) {
 	tc := tls.Server(c, l.config)
-	ctx, cancel := context.WithTimeout(context.Background(), l.timeout)
+	ctx, cancel := context.WithTimeout(l.done, l.timeout)
 	defer cancel()
 	_ = c.SetDeadline(time.Now().Add(l.timeout))
 	if err := tc.HandshakeContext(ctx); err != nil {
-		l.logger.V(1).Info("TLS handshake failed", "remote", c.RemoteAddr().String(), "err", err.Error())
+		if l.done.Err() == nil {
+			l.logger.V(1).Info("TLS handshake failed", "remote", c.RemoteAddr().String(), "err", err.Error())
+		}
 		_ = c.Close()
 		return
 	}
 	_ = c.SetDeadline(time.Time{})
 	select {
 	case l.ready <- tc:
-	case <-l.done:
+	case <-l.done.Done():
 		_ = c.Close()
 	}
 }
@@ -84,13 +88,13 @@ func (l *handshakeListener) Accept() (net.Conn, error) {
 		return c, nil
 	case err := <-l.errs:
 		return nil, err
-	case <-l.done:
+	case <-l.done.Done():
 		return nil, net.ErrClosed
 	}
 }
 
 func (l *handshakeListener) Close() error {
-	l.closeOnce.Do(func() { close(l.done) })
+	l.closeDone()
 	return l.inner.Close()
 }
 

@@ -83,3 +83,34 @@ func TestHandshakeListener(t *testing.T) {
 		t.Fatal("Accept did not return after Close")
 	}
 }
+
+// TestHandshakeListenerCloseEndsHandshakes: a connection still in its
+// handshake when the listener closes is closed then, not a timeout later
+// (the manager's shutdown leaves no socket behind).
+func TestHandshakeListenerCloseEndsHandshakes(t *testing.T) {
+	inner, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ts := httptest.NewTLSServer(http.NotFoundHandler())
+	serverConfig := &tls.Config{Certificates: ts.TLS.Certificates}
+	ts.Close()
+	l := newHandshakeListener(inner, serverConfig, time.Minute, logr.Discard())
+	silent, err := net.Dial("tcp", inner.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = silent.Close() }()
+	// The first byte of a ClientHello's record: the server is now in the
+	// handshake, waiting for the rest.
+	if _, err := silent.Write([]byte{0x16}); err != nil {
+		t.Fatal(err)
+	}
+	if err := l.Close(); err != nil {
+		t.Fatal(err)
+	}
+	_ = silent.SetReadDeadline(time.Now().Add(10 * time.Second))
+	if _, err := silent.Read(make([]byte, 1)); err == nil || errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Fatalf("a connection in its handshake outlived the listener's Close: %v", err)
+	}
+}

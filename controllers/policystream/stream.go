@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"runtime/debug"
 	"strconv"
 	"time"
 
@@ -243,18 +244,37 @@ func (s *Server) readReports(r *http.Request, key types.NamespacedName, c *strea
 // live as long as the stream, and a goroutine keeps the stack its deepest
 // call grew while a quarter of it stays in use (a GC halves it only
 // below that): a TokenReview, or a report's JSON decode, run on them held
-// that much more for every open stream.
+// that much more for every open stream. A panic in f is raised again on
+// the caller's goroutine, where net/http's recovery of a handler ends the
+// one stream, not the manager; so is an f that exits its goroutine.
 func offStack[T any](f func() (T, error)) (T, error) {
 	type result struct {
-		v   T
-		err error
+		v        T
+		err      error
+		panicked any
 	}
 	done := make(chan result, 1)
 	go func() {
+		returned := false
+		defer func() {
+			if !returned {
+				p := recover()
+				if p == nil {
+					p = errors.New("offStack: the function exited its goroutine without returning")
+				} else if p != http.ErrAbortHandler { //nolint:errorlint // the sentinel value itself, as net/http compares it
+					p = fmt.Sprintf("%v\n%s", p, debug.Stack())
+				}
+				done <- result{panicked: p}
+			}
+		}()
 		v, err := f()
-		done <- result{v, err}
+		returned = true
+		done <- result{v: v, err: err}
 	}()
 	r := <-done
+	if r.panicked != nil {
+		panic(r.panicked)
+	}
 	return r.v, r.err
 }
 
