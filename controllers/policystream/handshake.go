@@ -59,15 +59,14 @@ func (l *handshakeListener) accept() {
 }
 
 // handshake bounds the handshake as http.Server does (its
-// ReadHeaderTimeout, for both directions). A failed one is the caller's
+// ReadHeaderTimeout, for both directions, as the connection's deadline),
+// and ends it when the listener closes. A failed one is the caller's
 // trouble (a sidecar that gave up, a scanner), which http.Server logged
 // on its error log: here at V(1).
 func (l *handshakeListener) handshake(c net.Conn) {
 	tc := tls.Server(c, l.config)
-	ctx, cancel := context.WithTimeout(l.done, l.timeout)
-	defer cancel()
 	_ = c.SetDeadline(time.Now().Add(l.timeout))
-	if err := tc.HandshakeContext(ctx); err != nil {
+	if err := tc.HandshakeContext(l.done); err != nil {
 		if l.done.Err() == nil {
 			l.logger.V(1).Info("TLS handshake failed", "remote", c.RemoteAddr().String(), "err", err.Error())
 		}

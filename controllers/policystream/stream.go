@@ -245,8 +245,9 @@ func (s *Server) readReports(r *http.Request, key types.NamespacedName, c *strea
 // call grew while a quarter of it stays in use (a GC halves it only
 // below that): a TokenReview, or a report's JSON decode, run on them held
 // that much more for every open stream. A panic in f is raised again on
-// the caller's goroutine, where net/http's recovery of a handler ends the
-// one stream, not the manager; so is an f that exits its goroutine.
+// the caller's goroutine, as if f had run there (on a handler's,
+// net/http's recovery ends the one stream, not the manager); so is an f
+// that exits its goroutine.
 func offStack[T any](f func() (T, error)) (T, error) {
 	type result struct {
 		v        T
