@@ -73,36 +73,41 @@ type CallInfo struct {
 // CallSpan, the span of a call that is not traced.
 //
 // What is learned of the call as it goes (the plan, the key, how it was
-// answered) is kept here and given to the span once, at End: each
-// SetAttributes of the SDK takes the span's lock and grows its attribute
-// slice, which cost a traced call more than its export did.
+// answered) is kept here, as plain values, and given to the span once, at
+// End, as attributes: each SetAttributes of the SDK takes the span's lock
+// and grows its attribute slice, which cost a traced call more than its
+// export did, and attributes kept from the start made a CallSpan five
+// times its size (a KeyValue is 64 bytes).
 type CallSpan struct {
 	span trace.Span
+	// sdk reports that span is the SDK's, whose SetAttributes copies what
+	// it is given, so that End can lend it a pooled slice.
+	sdk bool
 
 	mu        sync.Mutex
 	ended     bool
-	outcome   string
 	forwarded bool
 	tookOver  bool
+	planned   bool
+	outcome   string
 	code      int // the JSON-RPC error code answered, 0 for none
-	planSet   bool
-	keySet    bool
-	// attrs holds the attributes known at the start (attrs[:n], at most
-	// 7), the plan's (attrs[planAt:keyAt]) and the key's
-	// (attrs[keyAt:keyAt+2]); End moves them together, appends the rest
-	// and gives them all to the span at once.
-	attrs [callAttrs]attribute.KeyValue
-	n     int
+
+	// Known at the start ("" for what the call did not have).
+	tool, requestID, session, protocol, transport string
+	// The plan's, once planned.
+	policy, policyHash, rule, reason, scope string
+	// The key's kind and short hash ("" until keyed).
+	keyKind, keyHash string
 }
 
 // callAttrs is the most attributes a call's span gets: 7 known at its
 // start, 5 of the plan, 2 of the key, outcome, forwarded, took-over and
 // the 2 of an error.
-const (
-	planAt    = 7
-	keyAt     = planAt + 5
-	callAttrs = keyAt + 2 + 3 + 2
-)
+const callAttrs = 7 + 5 + 2 + 3 + 2
+
+// callAttrPool holds the slices End gives an SDK span's SetAttributes,
+// which copies them: a traced call allocates none of its own.
+var callAttrPool = sync.Pool{New: func() any { return new([callAttrs]attribute.KeyValue) }}
 
 type callSpanKey struct{}
 
@@ -138,22 +143,9 @@ func (e *Engine) StartCall(ctx context.Context, ci CallInfo) (context.Context, *
 		// forwarded as it came either way.
 		return spanCtx, nil
 	}
-	cs := &CallSpan{span: span}
-	add := func(kv attribute.KeyValue) { cs.attrs[cs.n] = kv; cs.n++ }
-	add(tracing.MCPMethodName.String("tools/call"))
-	add(tracing.GenAIToolName.String(ci.Tool))
-	add(tracing.GenAIOperationName.String("execute_tool"))
+	cs := &CallSpan{span: span, sdk: tracing.CopiesAttributes(span), tool: ci.Tool, session: ci.Session, protocol: ci.ProtocolVersion, transport: ci.Transport}
 	if len(ci.RequestID) > 0 {
-		add(tracing.JSONRPCRequestID.String(requestID(ci.RequestID)))
-	}
-	if ci.Session != "" {
-		add(tracing.MCPSessionID.String(ci.Session))
-	}
-	if ci.ProtocolVersion != "" {
-		add(tracing.MCPProtocolVersion.String(ci.ProtocolVersion))
-	}
-	if ci.Transport != "" {
-		add(tracing.NetworkTransport.String(ci.Transport))
+		cs.requestID = requestID(ci.RequestID)
 	}
 	// The attributes go to the span at End, in one SetAttributes: given
 	// at its start too, the SDK would copy them twice. No sampler of ours
@@ -224,12 +216,34 @@ func (s *CallSpan) End() {
 		return
 	}
 	s.ended = true
-	attrs := s.attrs[:s.n]
-	if s.planSet { // append copies as copy does: overlapping is fine
-		attrs = append(attrs, s.attrs[planAt:keyAt]...)
+	var buf *[callAttrs]attribute.KeyValue
+	if s.sdk {
+		buf = callAttrPool.Get().(*[callAttrs]attribute.KeyValue)
+	} else {
+		// Another provider's span may keep the slice it is given.
+		buf = new([callAttrs]attribute.KeyValue)
 	}
-	if s.keySet {
-		attrs = append(attrs, s.attrs[keyAt:keyAt+2]...)
+	attrs := append(buf[:0],
+		tracing.MCPMethodName.String("tools/call"),
+		tracing.GenAIToolName.String(s.tool),
+		tracing.GenAIOperationName.String("execute_tool"))
+	for _, a := range [...]struct {
+		key   attribute.Key
+		value string
+	}{
+		{tracing.JSONRPCRequestID, s.requestID}, {tracing.MCPSessionID, s.session},
+		{tracing.MCPProtocolVersion, s.protocol}, {tracing.NetworkTransport, s.transport},
+	} {
+		if a.value != "" {
+			attrs = append(attrs, a.key.String(a.value))
+		}
+	}
+	if s.planned {
+		attrs = append(attrs, tracing.PolicyName.String(s.policy), tracing.PolicyHash.String(s.policyHash),
+			tracing.Rule.String(s.rule), tracing.ModeReason.String(s.reason), tracing.Scope.String(s.scope))
+	}
+	if s.keyKind != "" {
+		attrs = append(attrs, tracing.KeyKind.String(s.keyKind), tracing.KeyHashAttr.String(s.keyHash))
 	}
 	if s.outcome != "" {
 		attrs = append(attrs, tracing.Outcome.String(s.outcome))
@@ -248,6 +262,10 @@ func (s *CallSpan) End() {
 	s.mu.Unlock()
 	s.span.SetAttributes(attrs...)
 	s.span.End()
+	if s.sdk {
+		clear(attrs) // the pool holds no strings of a call
+		callAttrPool.Put(buf)
+	}
 }
 
 // setOutcomeLocked records how the call was answered: the first outcome
@@ -276,12 +294,8 @@ func tracePlan(ctx context.Context, p *policy.Policy, r *policy.Rule, reason str
 	}
 	s.mu.Lock()
 	if !s.ended {
-		copy(s.attrs[planAt:keyAt], []attribute.KeyValue{
-			tracing.PolicyName.String(p.Name), tracing.PolicyHash.String(p.Hash),
-			tracing.Rule.String(r.Pattern), tracing.ModeReason.String(reason),
-			tracing.Scope.String(string(r.KeyScope)),
-		})
-		s.planSet = true
+		s.policy, s.policyHash, s.rule, s.reason, s.scope = p.Name, p.Hash, r.Pattern, reason, string(r.KeyScope)
+		s.planned = true
 	}
 	s.mu.Unlock()
 }
@@ -299,8 +313,7 @@ func traceKey(ctx context.Context, p *Plan) {
 	hash := tracing.KeyHash(p.Key)
 	s.mu.Lock()
 	if !s.ended {
-		s.attrs[keyAt], s.attrs[keyAt+1] = tracing.KeyKind.String(kind), tracing.KeyHashAttr.String(hash)
-		s.keySet = true
+		s.keyKind, s.keyHash = kind, hash
 	}
 	s.mu.Unlock()
 }

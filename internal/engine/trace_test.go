@@ -3,12 +3,16 @@ package engine
 import (
 	"context"
 	"encoding/json"
+	"maps"
 	"strings"
 	"testing"
 
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"go.opentelemetry.io/otel/trace"
+	"go.opentelemetry.io/otel/trace/noop"
 
 	"github.com/idemcp/idemcp/internal/store"
 )
@@ -102,3 +106,140 @@ spec:
 		t.Error("a policy without spec.tracing got a span")
 	}
 }
+
+// An executed call's span has exactly the MCP semantic conventions'
+// attributes the call had and idemcp's of its plan, key and outcome; an
+// error answered adds its code. Each span keeps its own attributes after
+// later calls end (End lends the SDK a pooled slice).
+func TestCallSpanAttributes(t *testing.T) {
+	rec := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
+	pol := mustPolicy(t, `
+metadata: {name: payments, namespace: shop}
+spec:
+  keyScope: Session
+  tools: [{name: charge_*, mode: Deduplicate}]
+`)
+	st := store.NewMemory(0)
+	defer func() { _ = st.Close() }()
+	e := New(Options{Policy: pol, Store: st, Tracing: Tracing{Provider: func() trace.TracerProvider { return tp }, On: true}})
+	run := func(tool, session string, code int) {
+		t.Helper()
+		tc := &ToolCall{Name: tool, Arguments: json.RawMessage(`{"amount":1}`)}
+		ctx, span := e.StartCall(context.Background(), CallInfo{Tool: tool, RequestID: json.RawMessage(`"req-7"`), Session: session, ProtocolVersion: "2026-07-28", Transport: "tcp"})
+		p, err := e.PlanCall(ctx, tc, Caller{Session: session})
+		if err != nil || p == nil {
+			t.Fatal(p, err)
+		}
+		if _, err := e.Execute(ctx, p, func(context.Context) (Upstream, error) {
+			return Upstream{Response: []byte(`{"jsonrpc":"2.0","id":1,"result":{}}`)}, nil
+		}); err != nil {
+			t.Fatal(err)
+		}
+		if code != 0 {
+			span.Error(code)
+		}
+		span.End()
+	}
+	run("charge_card", "S1", 0)
+	run("charge_other", "S2", -32001)
+	if err := e.Drain(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	var calls []sdktrace.ReadOnlySpan
+	for _, s := range rec.Ended() {
+		if strings.HasPrefix(s.Name(), "tools/call ") {
+			calls = append(calls, s)
+		}
+	}
+	if len(calls) != 2 {
+		t.Fatalf("got %d call spans, want 2", len(calls))
+	}
+	want := func(tool, session string) map[string]string {
+		return map[string]string{
+			"mcp.method.name": "tools/call", "gen_ai.tool.name": tool, "gen_ai.operation.name": "execute_tool",
+			"jsonrpc.request.id": "req-7", "mcp.session.id": session, "mcp.protocol.version": "2026-07-28", "network.transport": "tcp",
+			"idemcp.policy.name": "payments", "idemcp.policy.hash": pol.Hash, "idemcp.rule": "charge_*", "idemcp.mode.reason": "rule",
+			"idemcp.scope": "Session", "idemcp.key.kind": "derived", "idemcp.outcome": "executed", "idemcp.forwarded": "true",
+		}
+	}
+	first, second := want("charge_card", "S1"), want("charge_other", "S2")
+	second["rpc.response.status_code"], second["error.type"] = "-32001", "-32001"
+	for i, w := range []map[string]string{first, second} {
+		got := map[string]string{}
+		for _, a := range calls[i].Attributes() {
+			got[string(a.Key)] = a.Value.String()
+		}
+		if len(got["idemcp.key.hash"]) != 12 {
+			t.Errorf("span %d: idemcp.key.hash %q, want 12 hex digits", i, got["idemcp.key.hash"])
+		}
+		delete(got, "idemcp.key.hash")
+		if !maps.Equal(got, w) {
+			t.Errorf("span %d (%s) attributes:\n got %v\nwant %v", i, calls[i].Name(), got, w)
+		}
+	}
+	if calls[0].Status().Code != codes.Unset || calls[1].Status().Code != codes.Error {
+		t.Errorf("statuses %v and %v, want unset and error", calls[0].Status(), calls[1].Status())
+	}
+}
+
+// A span of another provider may keep the slice its SetAttributes is
+// given: End gives such a span a slice of its own, not a pooled one that
+// the next call's span overwrites.
+func TestCallSpanAttributesOfAnotherProvider(t *testing.T) {
+	tp := &keepingProvider{}
+	pol := mustPolicy(t, `spec: {keyScope: Global}`)
+	e := New(Options{Policy: pol, Store: store.NewMemory(0), Tracing: Tracing{Provider: func() trace.TracerProvider { return tp }, On: true}})
+	for _, tool := range []string{"first", "second", "third"} {
+		_, span := e.StartCall(context.Background(), CallInfo{Tool: tool})
+		span.End()
+	}
+	if len(tp.spans) != 3 {
+		t.Fatalf("got %d spans, want 3", len(tp.spans))
+	}
+	for i, tool := range []string{"first", "second", "third"} {
+		got := ""
+		for _, a := range tp.spans[i].attrs {
+			if a.Key == "gen_ai.tool.name" {
+				got = a.Value.AsString()
+			}
+		}
+		if got != tool {
+			t.Errorf("span %d keeps gen_ai.tool.name %q, want %q (attributes %v)", i, got, tool, tp.spans[i].attrs)
+		}
+	}
+}
+
+// keepingProvider makes spans that keep, as they may, the very slice
+// SetAttributes is given.
+type keepingProvider struct {
+	noop.TracerProvider
+	spans []*keepingSpan
+}
+
+func (p *keepingProvider) Tracer(string, ...trace.TracerOption) trace.Tracer {
+	return keepingTracer{p: p}
+}
+
+type keepingTracer struct {
+	noop.Tracer
+	p *keepingProvider
+}
+
+func (t keepingTracer) Start(ctx context.Context, _ string, _ ...trace.SpanStartOption) (context.Context, trace.Span) {
+	s := &keepingSpan{sc: trace.NewSpanContext(trace.SpanContextConfig{
+		TraceID: trace.TraceID{1}, SpanID: trace.SpanID{byte(len(t.p.spans) + 1)}, TraceFlags: trace.FlagsSampled,
+	})}
+	t.p.spans = append(t.p.spans, s)
+	return trace.ContextWithSpan(ctx, s), s
+}
+
+type keepingSpan struct {
+	noop.Span
+	sc    trace.SpanContext
+	attrs []attribute.KeyValue
+}
+
+func (s *keepingSpan) IsRecording() bool                      { return true }
+func (s *keepingSpan) SpanContext() trace.SpanContext         { return s.sc }
+func (s *keepingSpan) SetAttributes(kv ...attribute.KeyValue) { s.attrs = kv }

@@ -248,3 +248,11 @@ func Tracer(tp trace.TracerProvider) trace.Tracer {
 	lastTracer.Store(&sdkTracer{provider: sdk, tracer: t})
 	return t
 }
+
+// CopiesAttributes reports whether span's SetAttributes is known to copy
+// the attributes it is given, so that the caller may reuse their slice:
+// the SDK's spans do; another provider's span may keep the slice.
+func CopiesAttributes(span trace.Span) bool {
+	_, sdk := span.(sdktrace.ReadWriteSpan)
+	return sdk
+}
