@@ -21,17 +21,13 @@ import (
 // sent stays out of every span, and a replay names and links the
 // execution; a policy without tracing makes no span at all.
 func TestCallSpans(t *testing.T) {
-	rec := tracetest.NewSpanRecorder()
-	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
-	pol := mustPolicy(t, `
+	e, st, rec := tracedEngine(t, `
 metadata: {name: payments, namespace: shop}
 spec:
   keyScope: Principal
   tools: [{name: charge, mode: Deduplicate}, {name: read, mode: Passthrough}]
 `)
-	st := store.NewMemory(0)
-	defer func() { _ = st.Close() }()
-	e := New(Options{Policy: pol, Store: st, Tracing: Tracing{Provider: func() trace.TracerProvider { return tp }, On: true}})
+	pol := e.policy.Load()
 	ok := func(context.Context) (Upstream, error) {
 		return Upstream{Response: []byte(`{"jsonrpc":"2.0","id":1,"result":{"content":[{"type":"text","text":"RESULT-SECRET"}]}}`)}, nil
 	}
@@ -112,17 +108,13 @@ spec:
 // error answered adds its code. Each span keeps its own attributes after
 // later calls end (End lends the SDK a pooled slice).
 func TestCallSpanAttributes(t *testing.T) {
-	rec := tracetest.NewSpanRecorder()
-	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
-	pol := mustPolicy(t, `
+	e, _, rec := tracedEngine(t, `
 metadata: {name: payments, namespace: shop}
 spec:
   keyScope: Session
   tools: [{name: charge_*, mode: Deduplicate}]
 `)
-	st := store.NewMemory(0)
-	defer func() { _ = st.Close() }()
-	e := New(Options{Policy: pol, Store: st, Tracing: Tracing{Provider: func() trace.TracerProvider { return tp }, On: true}})
+	pol := e.policy.Load()
 	run := func(tool, session string, code int) {
 		t.Helper()
 		tc := &ToolCall{Name: tool, Arguments: json.RawMessage(`{"amount":1}`)}
@@ -181,6 +173,17 @@ spec:
 	if calls[0].Status().Code != codes.Unset || calls[1].Status().Code != codes.Error {
 		t.Errorf("statuses %v and %v, want unset and error", calls[0].Status(), calls[1].Status())
 	}
+}
+
+// tracedEngine is an engine under policyYAML, on a memory store, that
+// traces every call into the recorder it returns.
+func tracedEngine(t *testing.T, policyYAML string) (*Engine, *store.Memory, *tracetest.SpanRecorder) {
+	rec := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
+	st := store.NewMemory(0)
+	t.Cleanup(func() { _ = st.Close() })
+	e := New(Options{Policy: mustPolicy(t, policyYAML), Store: st, Tracing: Tracing{Provider: func() trace.TracerProvider { return tp }, On: true}})
+	return e, st, rec
 }
 
 // A span of another provider may keep the slice its SetAttributes is
