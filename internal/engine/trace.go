@@ -92,8 +92,10 @@ type CallSpan struct {
 	outcome   string
 	code      int // the JSON-RPC error code answered, 0 for none
 
-	// Known at the start ("" for what the call did not have).
+	// Known at the start ("" for what the call did not have, but for
+	// requestID: an id of "" is an id, so hasRequestID says).
 	tool, requestID, session, protocol, transport string
+	hasRequestID                                  bool
 	// The plan's, once planned.
 	policy, policyHash, rule, reason, scope string
 	// The key's kind and short hash ("" until keyed).
@@ -145,7 +147,7 @@ func (e *Engine) StartCall(ctx context.Context, ci CallInfo) (context.Context, *
 	}
 	cs := &CallSpan{span: span, sdk: tracing.CopiesAttributes(span), tool: ci.Tool, session: ci.Session, protocol: ci.ProtocolVersion, transport: ci.Transport}
 	if len(ci.RequestID) > 0 {
-		cs.requestID = requestID(ci.RequestID)
+		cs.requestID, cs.hasRequestID = requestID(ci.RequestID), true
 	}
 	// The attributes go to the span at End, in one SetAttributes: given
 	// at its start too, the SDK would copy them twice. No sampler of ours
@@ -227,12 +229,14 @@ func (s *CallSpan) End() {
 		tracing.MCPMethodName.String("tools/call"),
 		tracing.GenAIToolName.String(s.tool),
 		tracing.GenAIOperationName.String("execute_tool"))
+	if s.hasRequestID {
+		attrs = append(attrs, tracing.JSONRPCRequestID.String(s.requestID))
+	}
 	for _, a := range [...]struct {
 		key   attribute.Key
 		value string
 	}{
-		{tracing.JSONRPCRequestID, s.requestID}, {tracing.MCPSessionID, s.session},
-		{tracing.MCPProtocolVersion, s.protocol}, {tracing.NetworkTransport, s.transport},
+		{tracing.MCPSessionID, s.session}, {tracing.MCPProtocolVersion, s.protocol}, {tracing.NetworkTransport, s.transport},
 	} {
 		if a.value != "" {
 			attrs = append(attrs, a.key.String(a.value))

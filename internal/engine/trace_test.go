@@ -15,6 +15,7 @@ import (
 	"go.opentelemetry.io/otel/trace/noop"
 
 	"github.com/idemcp/idemcp/internal/store"
+	"github.com/idemcp/idemcp/internal/tracing"
 )
 
 // Each way a call is answered is the outcome on its span, what the user
@@ -187,36 +188,77 @@ func tracedEngine(t *testing.T, policyYAML string) (*Engine, *store.Memory, *tra
 }
 
 // A span of another provider may keep the slice its SetAttributes is
-// given: End gives such a span a slice of its own, not a pooled one that
-// the next call's span overwrites.
+// given, a wrapper of the SDK's spans too: End gives such a span a slice
+// of its own, not a pooled one that the next call's span overwrites.
 func TestCallSpanAttributesOfAnotherProvider(t *testing.T) {
-	tp := &keepingProvider{}
-	pol := mustPolicy(t, `spec: {keyScope: Global}`)
-	e := New(Options{Policy: pol, Store: store.NewMemory(0), Tracing: Tracing{Provider: func() trace.TracerProvider { return tp }, On: true}})
-	for _, tool := range []string{"first", "second", "third"} {
-		_, span := e.StartCall(context.Background(), CallInfo{Tool: tool})
-		span.End()
-	}
-	if len(tp.spans) != 3 {
-		t.Fatalf("got %d spans, want 3", len(tp.spans))
-	}
-	for i, tool := range []string{"first", "second", "third"} {
-		got := ""
-		for _, a := range tp.spans[i].attrs {
-			if a.Key == "gen_ai.tool.name" {
-				got = a.Value.AsString()
+	sdk := sdktrace.NewTracerProvider()
+	for name, wrap := range map[string]func(trace.Span) trace.Span{
+		"its own spans": nil,
+		"SDK spans, wrapped": func(trace.Span) trace.Span {
+			_, s := sdk.Tracer("test").Start(context.Background(), "wrapped")
+			return struct{ sdktrace.ReadWriteSpan }{s.(sdktrace.ReadWriteSpan)}
+		},
+	} {
+		t.Run(name, func(t *testing.T) {
+			tp := &keepingProvider{wrap: wrap}
+			e := New(Options{Policy: mustPolicy(t, `spec: {keyScope: Global}`), Store: store.NewMemory(0), Tracing: Tracing{Provider: func() trace.TracerProvider { return tp }, On: true}})
+			for _, tool := range []string{"first", "second", "third"} {
+				_, span := e.StartCall(context.Background(), CallInfo{Tool: tool})
+				span.End()
 			}
-		}
-		if got != tool {
-			t.Errorf("span %d keeps gen_ai.tool.name %q, want %q (attributes %v)", i, got, tool, tp.spans[i].attrs)
-		}
+			if len(tp.spans) != 3 {
+				t.Fatalf("got %d spans, want 3", len(tp.spans))
+			}
+			for i, tool := range []string{"first", "second", "third"} {
+				got := ""
+				for _, a := range tp.spans[i].attrs {
+					if a.Key == "gen_ai.tool.name" {
+						got = a.Value.AsString()
+					}
+				}
+				if got != tool {
+					t.Errorf("span %d keeps gen_ai.tool.name %q, want %q (attributes %v)", i, got, tool, tp.spans[i].attrs)
+				}
+			}
+		})
+	}
+}
+
+// A call with none of the optional facts gets none of their attributes,
+// but for an id of "", which is an id; a replay that took a claim over
+// says so and links the execution.
+func TestCallSpanOptionalAttributes(t *testing.T) {
+	e, _, rec := tracedEngine(t, `spec: {keyScope: Global}`)
+	ctx, span := e.StartCall(context.Background(), CallInfo{Tool: "t", RequestID: json.RawMessage(`""`)})
+	execution := trace.NewSpanContext(trace.SpanContextConfig{TraceID: trace.TraceID{7}, SpanID: trace.SpanID{9}, TraceFlags: trace.FlagsSampled})
+	traceReplay(ctx, execution, true)
+	traceOutcome(ctx, tracing.OutcomeReplayed)
+	span.End()
+	spans := rec.Ended()
+	if len(spans) != 1 {
+		t.Fatalf("got %d spans, want 1", len(spans))
+	}
+	got := map[string]string{}
+	for _, a := range spans[0].Attributes() {
+		got[string(a.Key)] = a.Value.String()
+	}
+	want := map[string]string{
+		"mcp.method.name": "tools/call", "gen_ai.tool.name": "t", "gen_ai.operation.name": "execute_tool", "jsonrpc.request.id": "",
+		"idemcp.outcome": "replayed", "idemcp.took_over": "true",
+	}
+	if !maps.Equal(got, want) {
+		t.Errorf("attributes:\n got %v\nwant %v", got, want)
+	}
+	if links := spans[0].Links(); len(links) != 1 || !links[0].SpanContext.Equal(execution) {
+		t.Errorf("links %v, want one to the execution %v", links, execution)
 	}
 }
 
 // keepingProvider makes spans that keep, as they may, the very slice
-// SetAttributes is given.
+// SetAttributes is given; with wrap, each wraps the span wrap returns.
 type keepingProvider struct {
 	noop.TracerProvider
+	wrap  func(trace.Span) trace.Span
 	spans []*keepingSpan
 }
 
@@ -234,6 +276,10 @@ func (t keepingTracer) Start(ctx context.Context, _ string, _ ...trace.SpanStart
 		TraceID: trace.TraceID{1}, SpanID: trace.SpanID{byte(len(t.p.spans) + 1)}, TraceFlags: trace.FlagsSampled,
 	})}
 	t.p.spans = append(t.p.spans, s)
+	if t.p.wrap != nil {
+		w := &keepingSDKSpan{ReadWriteSpan: t.p.wrap(s).(sdktrace.ReadWriteSpan), keeper: s}
+		return trace.ContextWithSpan(ctx, w), w
+	}
 	return trace.ContextWithSpan(ctx, s), s
 }
 
@@ -246,3 +292,15 @@ type keepingSpan struct {
 func (s *keepingSpan) IsRecording() bool                      { return true }
 func (s *keepingSpan) SpanContext() trace.SpanContext         { return s.sc }
 func (s *keepingSpan) SetAttributes(kv ...attribute.KeyValue) { s.attrs = kv }
+
+// keepingSDKSpan is an SDK span, wrapped: it is a ReadWriteSpan, and it
+// keeps the slice SetAttributes is given before passing it on.
+type keepingSDKSpan struct {
+	sdktrace.ReadWriteSpan
+	keeper *keepingSpan
+}
+
+func (s *keepingSDKSpan) SetAttributes(kv ...attribute.KeyValue) {
+	s.keeper.attrs = kv
+	s.ReadWriteSpan.SetAttributes(kv...)
+}

@@ -16,6 +16,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"reflect"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -251,8 +252,19 @@ func Tracer(tp trace.TracerProvider) trace.Tracer {
 
 // CopiesAttributes reports whether span's SetAttributes is known to copy
 // the attributes it is given, so that the caller may reuse their slice:
-// the SDK's spans do; another provider's span may keep the slice.
+// the SDK's own spans do. Any other span may keep the slice, a wrapper
+// of an SDK span (which satisfies sdktrace.ReadWriteSpan by embedding
+// one) among them, so the span's dynamic type must be the SDK's.
 func CopiesAttributes(span trace.Span) bool {
-	_, sdk := span.(sdktrace.ReadWriteSpan)
-	return sdk
+	return span != nil && reflect.TypeOf(span) == sdkSpanType()
 }
+
+// sdkSpanType is the dynamic type of the SDK's recording spans, learned
+// from a span of a provider of its own (which exports nothing).
+var sdkSpanType = sync.OnceValue(func() reflect.Type {
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSampler(sdktrace.AlwaysSample()))
+	_, span := tp.Tracer(ScopeName).Start(context.Background(), "type")
+	span.End()
+	_ = tp.Shutdown(context.Background())
+	return reflect.TypeOf(span)
+})
