@@ -232,15 +232,14 @@ func (s *CallSpan) End() {
 	if s.hasRequestID {
 		attrs = append(attrs, tracing.JSONRPCRequestID.String(s.requestID))
 	}
-	for _, a := range [...]struct {
-		key   attribute.Key
-		value string
-	}{
-		{tracing.MCPSessionID, s.session}, {tracing.MCPProtocolVersion, s.protocol}, {tracing.NetworkTransport, s.transport},
-	} {
-		if a.value != "" {
-			attrs = append(attrs, a.key.String(a.value))
-		}
+	if s.session != "" {
+		attrs = append(attrs, tracing.MCPSessionID.String(s.session))
+	}
+	if s.protocol != "" {
+		attrs = append(attrs, tracing.MCPProtocolVersion.String(s.protocol))
+	}
+	if s.transport != "" {
+		attrs = append(attrs, tracing.NetworkTransport.String(s.transport))
 	}
 	if s.planned {
 		attrs = append(attrs, tracing.PolicyName.String(s.policy), tracing.PolicyHash.String(s.policyHash),

@@ -256,7 +256,7 @@ func Tracer(tp trace.TracerProvider) trace.Tracer {
 // of an SDK span (which satisfies sdktrace.ReadWriteSpan by embedding
 // one) among them, so the span's dynamic type must be the SDK's.
 func CopiesAttributes(span trace.Span) bool {
-	return span != nil && reflect.TypeOf(span) == sdkSpanType()
+	return reflect.TypeOf(span) == sdkSpanType()
 }
 
 // sdkSpanType is the dynamic type of the SDK's recording spans, learned
