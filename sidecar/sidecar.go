@@ -180,6 +180,7 @@ func Main(ctx context.Context, args []string) error {
 	if err != nil {
 		return fs.Attribute(err)
 	}
+	cli.SetMemoryLimit(s.log)
 	return fs.Attribute(s.Run(ctx))
 }
 

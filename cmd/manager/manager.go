@@ -8,6 +8,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"log/slog"
 	"net"
 	"net/http"
 	"os"
@@ -16,6 +17,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/go-logr/logr"
 	"go.opentelemetry.io/otel"
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
@@ -271,7 +273,9 @@ func Main(ctx context.Context, args []string) error {
 	}
 	ctrl.SetLogger(zap.New(zap.UseFlagOptions(&o.Zap)))
 	v := version.Get()
-	ctrl.Log.WithName("setup").Info("Starting idemcp manager", "version", v.Version, "commit", v.Commit, "go", v.GoVersion)
+	setupLog := ctrl.Log.WithName("setup")
+	setupLog.Info("Starting idemcp manager", "version", v.Version, "commit", v.Commit, "go", v.GoVersion)
+	cli.SetMemoryLimit(slog.New(logr.ToSlogHandler(setupLog)))
 	cfg, err := o.restConfig()
 	if err != nil {
 		return fmt.Errorf("finding the cluster (set --kubeconfig or $KUBECONFIG): %w", err)

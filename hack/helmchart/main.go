@@ -71,6 +71,7 @@ func run(in io.Reader, out, version, monitoring string) error {
 		}
 	}
 	n := 0
+	var resources string // the manager's, as values.yaml gives them
 	for _, doc := range splitDocs(all) {
 		var m meta
 		if err := yaml.Unmarshal(doc, &m); err != nil {
@@ -101,6 +102,9 @@ func run(in io.Reader, out, version, monitoring string) error {
 			if err != nil {
 				return err
 			}
+			if t, resources, err = resourcesValue(t); err != nil {
+				return err
+			}
 		}
 		if err := os.WriteFile(filepath.Join(out, "templates", file), []byte(t), 0o644); err != nil {
 			return err
@@ -123,7 +127,12 @@ image:
   tag: ""
 # Manager replicas; one is the leader, the webhook is served by all.
 replicas: 2
-# OpenTelemetry tracing (docs/tracing.md). enabled traces the manager's
+# The manager's requests and limits. Its memory grows with the sidecars it
+# serves (each one's policy stream, and its pod in the manager's cache):
+# docs/performance.md says by how much; raise limits.memory beyond about
+# 1,500 sidecars. The Go runtime's soft limit (GOMEMLIMIT) is 90% of
+# limits.memory.
+` + resources + `# OpenTelemetry tracing (docs/tracing.md). enabled traces the manager's
 # reconciles and policy pushes and every tools/call of the sidecars it
 # injects (a policy's spec.tracing.enabled turns it on for one policy).
 # env is the OTEL_* environment of the manager, given to every injected
@@ -154,6 +163,26 @@ func splitDocs(b []byte) [][]byte {
 		cur.WriteByte('\n')
 	}
 	return append(docs, cur.Bytes())
+}
+
+// resourcesBlock is the manager container's resources in the Deployment
+// kustomize writes, its lines indented under it.
+var resourcesBlock = regexp.MustCompile(`(?m)^        resources:\n((?:          .*\n)+)`)
+
+// resourcesValue makes the manager's resources the chart's resources
+// value, and returns that value's default as values.yaml writes it.
+func resourcesValue(t string) (string, string, error) {
+	m := resourcesBlock.FindStringSubmatch(t)
+	if m == nil {
+		return "", "", errors.New("the manager's Deployment no longer has the resources block the resources value replaces")
+	}
+	var def strings.Builder
+	def.WriteString("resources:\n")
+	for _, line := range strings.SplitAfter(strings.TrimSuffix(m[1], "\n"), "\n") {
+		def.WriteString(strings.TrimPrefix(line, "        "))
+	}
+	def.WriteString("\n")
+	return resourcesBlock.ReplaceAllString(t, "        resources:\n          {{- toYaml .Values.resources | nindent 10 }}\n"), def.String(), nil
 }
 
 // tracingValues makes the manager's --tracing flag and OTEL_* environment

@@ -47,9 +47,15 @@ func TestInstallersPassServerValidation(t *testing.T) {
 		testdeps.Missing(t, "HELM is not set: run through make test, which installs helm into bin/")
 	}
 	chart := run(nil, helm, "template", "idemcp", "../../dist/chart", "--namespace", "idemcp-system", "--include-crds",
-		"--set", "image.repository=registry.example.com/idemcp", "--set", "image.tag=v9.9.9", "--set", "replicas=3")
+		"--set", "image.repository=registry.example.com/idemcp", "--set", "image.tag=v9.9.9", "--set", "replicas=3",
+		"--set", "resources.limits.memory=2Gi")
 	if !bytes.Contains(chart, []byte("image: \"registry.example.com/idemcp:v9.9.9\"")) || !bytes.Contains(chart, []byte("replicas: 3")) {
 		t.Errorf("helm template did not apply the values image and replicas:\n%s", chart)
+	}
+	// A manager that serves more sidecars needs more memory than the
+	// default limit: the value replaces it, and the request stays.
+	if want := "resources:\n          limits:\n            memory: 2Gi\n          requests:\n            cpu: 50m\n            memory: 64Mi\n"; !bytes.Contains(chart, []byte(want)) {
+		t.Errorf("helm template did not give the manager the resources value (want %q):\n%s", want, chart)
 	}
 	out = run(chart, kubectl, "--kubeconfig", kc, "apply", "--server-side", "--dry-run=server", "-f", "-")
 	if !bytes.Contains(out, []byte("deployment.apps/idemcp-manager")) {

@@ -39,6 +39,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client/config"
 
 	"github.com/idemcp/idemcp/api/v1alpha1"
+	"github.com/idemcp/idemcp/internal/cli"
 	"github.com/idemcp/idemcp/test/poll"
 	"github.com/idemcp/idemcp/test/testdeps"
 	"github.com/idemcp/idemcp/webhook"
@@ -357,6 +358,18 @@ func (s *suite) nativeSidecar(t *testing.T) {
 		logs := s.run(t, "-n", s.ns, "logs", p.Name, "-c", webhook.ContainerName)
 		t.Logf("pod %s: sidecar started %s, MCP server %s; sidecar log:\n%s", p.Name,
 			sideStarted.Format(time.RFC3339), serverStarted.Format(time.RFC3339), firstLines(logs, 5))
+		// The Go runtime's soft memory limit follows the container's, as
+		// the sidecar read it from its cgroup under the real kubelet and
+		// runc: without it, garbage alone can reach the OOM killer.
+		lim, ok := side.Resources.Limits[corev1.ResourceMemory]
+		if !ok {
+			t.Fatalf("pod %s: the injected sidecar has no memory limit", p.Name)
+		}
+		want := fmt.Sprintf(`"GOMEMLIMIT":%d`, int64(float64(lim.Value())*cli.MemoryLimitShare))
+		if !strings.Contains(logs, want) {
+			t.Fatalf("pod %s: the sidecar's log does not say it set its Go memory limit to %.0f%% of its container's %s (%s); log:\n%s",
+				p.Name, cli.MemoryLimitShare*100, lim.String(), want, firstLines(logs, 10))
+		}
 	}
 }
 

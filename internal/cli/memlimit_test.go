@@ -1,0 +1,52 @@
+package cli
+
+import (
+	"bytes"
+	"errors"
+	"log/slog"
+	"math"
+	"runtime/debug"
+	"strings"
+	"testing"
+
+	"github.com/KimMachineGun/automemlimit/memlimit"
+)
+
+// keepMemoryLimit restores the process's Go memory limit after the test.
+func keepMemoryLimit(t *testing.T) {
+	before := debug.SetMemoryLimit(math.MaxInt64)
+	t.Cleanup(func() { debug.SetMemoryLimit(before) })
+}
+
+func TestSetMemoryLimit(t *testing.T) {
+	const gib = 1 << 30
+	for _, tc := range []struct {
+		name     string
+		env      string // GOMEMLIMIT
+		provider memlimit.Provider
+		want     int64
+		log      string // a line the log must hold, "" for an empty log
+	}{
+		{name: "container limit", provider: memlimit.Limit(gib), want: 966367641, // 0.9 GiB, rounded down
+			log: `"msg":"Go memory limit set from the container's memory limit","GOMEMLIMIT":966367641`},
+		{name: "GOMEMLIMIT stands", env: "300MiB", provider: func() (uint64, error) { t.Error("the cgroup was read though GOMEMLIMIT is set"); return gib, nil },
+			want: math.MaxInt64},
+		{name: "no limit", provider: func() (uint64, error) { return 0, memlimit.ErrNoLimit }, want: math.MaxInt64},
+		{name: "not in a container", provider: func() (uint64, error) { return 0, memlimit.ErrCgroupsNotSupported }, want: math.MaxInt64},
+		{name: "unreadable cgroup", provider: func() (uint64, error) { return 0, errors.New("permission denied") }, want: math.MaxInt64,
+			log: `"msg":"Cannot read the container's memory limit; the Go runtime has no memory limit"`},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			keepMemoryLimit(t)
+			t.Setenv("GOMEMLIMIT", tc.env)
+			var out bytes.Buffer
+			setMemoryLimit(slog.New(slog.NewJSONHandler(&out, nil)), tc.provider)
+			if got := debug.SetMemoryLimit(-1); got != tc.want {
+				t.Errorf("Go memory limit %d, want %d", got, tc.want)
+			}
+			if tc.log == "" && out.Len() > 0 || !strings.Contains(out.String(), tc.log) {
+				t.Errorf("log %q, want it to hold %q", out.String(), tc.log)
+			}
+		})
+	}
+}
