@@ -130,7 +130,7 @@ replicas: 2
 # The manager's requests and limits. Its memory grows with the sidecars it
 # serves (each one's policy stream, and its pod in the manager's cache):
 # docs/performance.md says by how much; raise limits.memory beyond about
-# 1,500 sidecars. The Go runtime's soft limit (GOMEMLIMIT) is 90% of
+# 1,500 sidecars. The Go runtime's soft limit (GOMEMLIMIT) is 80% of
 # limits.memory.
 ` + resources + `# OpenTelemetry tracing (docs/tracing.md). enabled traces the manager's
 # reconciles and policy pushes and every tools/call of the sidecars it

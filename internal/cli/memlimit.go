@@ -11,8 +11,9 @@ import (
 
 // MemoryLimitShare is the share of the container's memory limit the Go
 // runtime is given as its soft limit: the rest is for what the runtime
-// does not count (the binary's pages, the kernel's socket buffers).
-const MemoryLimitShare = 0.9
+// does not count (the binary's pages, the kernel's socket buffers). The
+// webhook gives an injected sidecar the same share as its GOMEMLIMIT.
+const MemoryLimitShare = 0.8
 
 // SetMemoryLimit gives the Go runtime a soft memory limit (GOMEMLIMIT) of
 // MemoryLimitShare of the container's memory limit, read from its cgroup.
@@ -26,7 +27,9 @@ const MemoryLimitShare = 0.9
 //
 // A GOMEMLIMIT in the environment stands (GOMEMLIMIT=off for none), and
 // so does no limit, outside a container or in one that has none. The
-// process logs the limit it set.
+// process logs the limit it set. An injected sidecar has the webhook's
+// GOMEMLIMIT; this is for the manager, and for a sidecar or wrap run in a
+// container by hand.
 func SetMemoryLimit(log *slog.Logger) {
 	setMemoryLimit(log, memlimit.FromCgroup)
 }

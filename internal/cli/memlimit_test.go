@@ -27,8 +27,8 @@ func TestSetMemoryLimit(t *testing.T) {
 		want     int64
 		log      string // a line the log must hold, "" for an empty log
 	}{
-		{name: "container limit", provider: memlimit.Limit(gib), want: 966367641, // 0.9 GiB, rounded down
-			log: `"msg":"Go memory limit set from the container's memory limit","GOMEMLIMIT":966367641`},
+		{name: "container limit", provider: memlimit.Limit(gib), want: 858993459, // 0.8 GiB, rounded down
+			log: `"msg":"Go memory limit set from the container's memory limit","GOMEMLIMIT":858993459`},
 		{name: "GOMEMLIMIT stands", env: "300MiB", provider: func() (uint64, error) { t.Error("the cgroup was read though GOMEMLIMIT is set"); return gib, nil },
 			want: math.MaxInt64},
 		{name: "no limit", provider: func() (uint64, error) { return 0, memlimit.ErrNoLimit }, want: math.MaxInt64},

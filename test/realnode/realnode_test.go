@@ -115,6 +115,7 @@ func TestRealNode(t *testing.T) {
 	}{
 		{"Setup", s.setup},
 		{"NativeSidecarStartsFirst", s.nativeSidecar},
+		{"ManagerMemoryLimit", s.managerMemoryLimit},
 		{"DedupThroughService", s.dedupThroughService},
 		{"PolicyStatus", s.policyStatus},
 		{"AnalyzeServiceAndVersion", s.analyzeServiceAndVersion},
@@ -358,16 +359,27 @@ func (s *suite) nativeSidecar(t *testing.T) {
 		logs := s.run(t, "-n", s.ns, "logs", p.Name, "-c", webhook.ContainerName)
 		t.Logf("pod %s: sidecar started %s, MCP server %s; sidecar log:\n%s", p.Name,
 			sideStarted.Format(time.RFC3339), serverStarted.Format(time.RFC3339), firstLines(logs, 5))
-		// The Go runtime's soft memory limit follows the container's, as
-		// the sidecar read it from its cgroup under the real kubelet and
-		// runc: without it, garbage alone can reach the OOM killer.
-		lim, ok := side.Resources.Limits[corev1.ResourceMemory]
+	}
+}
+
+// managerMemoryLimit checks that each manager's Go runtime took its soft
+// memory limit from its container's, as it read it from its cgroup under
+// the real kubelet and runc: without one, the garbage of every sidecar
+// reconnecting at once can reach the OOM killer.
+func (s *suite) managerMemoryLimit(t *testing.T) {
+	pods := s.managerPods(t)
+	if len(pods) == 0 {
+		t.Fatalf("no manager pods in %s", s.mgrNS)
+	}
+	for _, p := range pods {
+		lim, ok := p.Spec.Containers[0].Resources.Limits[corev1.ResourceMemory]
 		if !ok {
-			t.Fatalf("pod %s: the injected sidecar has no memory limit", p.Name)
+			t.Fatalf("manager pod %s has no memory limit", p.Name)
 		}
 		want := fmt.Sprintf(`"GOMEMLIMIT":%d`, int64(float64(lim.Value())*cli.MemoryLimitShare))
+		logs := s.run(t, "-n", s.mgrNS, "logs", p.Name, "-c", p.Spec.Containers[0].Name)
 		if !strings.Contains(logs, want) {
-			t.Fatalf("pod %s: the sidecar's log does not say it set its Go memory limit to %.0f%% of its container's %s (%s); log:\n%s",
+			t.Fatalf("manager pod %s: its log does not say it set its Go memory limit to %.0f%% of its container's %s (%s):\n%s",
 				p.Name, cli.MemoryLimitShare*100, lim.String(), want, firstLines(logs, 10))
 		}
 	}
