@@ -35,6 +35,7 @@ import (
 	"github.com/go-logr/logr"
 	authnv1 "k8s.io/api/authentication/v1"
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
@@ -66,6 +67,7 @@ func main() {
 	sizes := flag.String("sidecars", "100,1000,10000", "sidecar counts to measure")
 	rounds := flag.Int("rounds", 5, "policy changes per size")
 	flag.StringVar(&profileDir, "profile", "", "directory for CPU profiles of the manager (idle and during the changes) and of the bench process, per size")
+	flag.StringVar(&memLimitFlag, "manager-memory-limit", "", "run the manager in a memory cgroup of this size (a quantity, such as 256Mi, the chart's default limit), as in a container with a memory limit (needs root)")
 	flag.Parse()
 	if err := run(*out, *sizes, *rounds); err != nil {
 		fmt.Fprintln(os.Stderr, "bench push:", err)
@@ -73,7 +75,10 @@ func main() {
 	}
 }
 
-var profileDir, pprofAddr string
+var profileDir, pprofAddr, memLimitFlag string
+
+// memLimit is the manager's memory cgroup, nil without -manager-memory-limit.
+var memLimit *memCgroup
 
 type result struct {
 	n                  int
@@ -138,6 +143,16 @@ func run(out, sizes string, rounds int) error {
 	if b, err := exec.Command("go", "build", "-o", bin, ".").CombinedOutput(); err != nil {
 		return fmt.Errorf("building idemcp: %w\n%s", err, b)
 	}
+	if memLimitFlag != "" {
+		q, err := resource.ParseQuantity(memLimitFlag)
+		if err != nil || q.Value() <= 0 {
+			return fmt.Errorf("-manager-memory-limit: %q is not a quantity more than 0, such as 256Mi", memLimitFlag)
+		}
+		if memLimit, err = newMemCgroup(q.Value()); err != nil {
+			return err
+		}
+		defer memLimit.remove()
+	}
 	wh := env.WebhookInstallOptions
 	if err := os.WriteFile(filepath.Join(wh.LocalServingCertDir, "ca.crt"), wh.LocalServingCAData, 0o600); err != nil {
 		return err
@@ -187,6 +202,9 @@ func run(out, sizes string, rounds int) error {
 		results = append(results, r)
 		fmt.Fprintf(os.Stderr, "%d sidecars: p50 %s p99 %s max %s, slowest Update %s, %d reconnects during the changes, manager %.1f KiB per stream, all reconnected %s after a failover\n",
 			n, r.p50, r.p99, r.max, r.updateMax, r.reconnects, r.perStreamKiB, r.failover)
+		if memLimit != nil {
+			fmt.Fprintf(os.Stderr, "%d sidecars: %s\n", n, memLimit.summary())
+		}
 		if out != "" {
 			if err := writeSection(out, render(results, rounds)); err != nil {
 				return err
@@ -403,7 +421,11 @@ type managerProc struct {
 }
 
 func (m *managerProc) start() error {
-	m.cmd = exec.Command(m.bin, m.args...)
+	if memLimit != nil {
+		m.cmd = memLimit.command(m.bin, m.args...)
+	} else {
+		m.cmd = exec.Command(m.bin, m.args...)
+	}
 	m.cmd.Env = m.env
 	m.cmd.Stderr = os.Stderr
 	return m.cmd.Start()
@@ -579,6 +601,9 @@ func render(results []result, rounds int) string {
 		"rolling update: it hands its lease on) and a successor starts on the same address, its start and cache sync included;\n" +
 		"the time runs until every sidecar has a stream to the successor. A sidecar brings the review ticket its stream to the\n" +
 		"first manager came with, so the successor needs no TokenReview for its token (the review cache is per process).\n\n")
+	if memLimit != nil {
+		fmt.Fprintf(&b, "The manager ran in a memory cgroup (-manager-memory-limit), as in a container with a memory limit: %s.\n\n", memLimit.summary())
+	}
 	b.WriteString("| sidecars | p50 | p99 | max | all connected after | reconnects | manager CPU idle | manager CPU during changes | manager RSS | manager KiB per stream | reconnected after failover |\n")
 	b.WriteString("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n")
 	for _, r := range results {
