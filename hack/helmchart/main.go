@@ -129,9 +129,9 @@ image:
 replicas: 2
 # The manager's requests and limits. Its memory grows with the sidecars it
 # serves (each one's policy stream, and its pod in the manager's cache):
-# 256Mi serves about 2,000; give it about 64 MiB plus 100 KiB per sidecar
-# (docs/manager.md#memory). Its Go runtime's soft limit (GOMEMLIMIT) is 80%
-# of limits.memory.
+# give it about 64 MiB plus 120 KiB per sidecar, requests and limits alike
+# (256Mi: about 1,600; docs/manager.md#memory). Its Go runtime's soft limit
+# (GOMEMLIMIT) is 80% of limits.memory.
 ` + resources + `# OpenTelemetry tracing (docs/tracing.md). enabled traces the manager's
 # reconciles and policy pushes and every tools/call of the sidecars it
 # injects (a policy's spec.tracing.enabled turns it on for one policy).

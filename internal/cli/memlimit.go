@@ -5,6 +5,7 @@ import (
 	"log/slog"
 	"math"
 	"os"
+	"runtime/debug"
 
 	"github.com/KimMachineGun/automemlimit/memlimit"
 )
@@ -16,36 +17,46 @@ import (
 const MemoryLimitShare = 0.8
 
 // SetMemoryLimit gives the Go runtime a soft memory limit (GOMEMLIMIT) of
-// MemoryLimitShare of the container's memory limit, read from its cgroup.
+// MemoryLimitShare of the container's memory limit, read from its cgroup
+// once, at start.
 //
 // Without one, the collector lets the heap grow to twice what was live at
 // its last cycle, whatever the container's limit: a manager whose
 // sidecars all reconnect at once (a failover, a rollout) holds about as
-// much garbage of the reconnect as it keeps, and the kernel's OOM killer
-// ends it before the collector runs. With it, the collector runs harder
-// as the process nears the limit.
+// much garbage of the reconnect as it keeps, and stalls at its limit or is
+// killed there before the collector runs. With it, the collector runs
+// harder as the process nears the limit.
 //
 // A GOMEMLIMIT in the environment stands (GOMEMLIMIT=off for none), and
 // so does no limit, outside a container or in one that has none. The
-// process logs the limit it set. An injected sidecar has the webhook's
-// GOMEMLIMIT; this is for the manager, and for a sidecar or wrap run in a
+// process logs the limit it has. An injected sidecar has the webhook's
+// GOMEMLIMIT; this is for the manager, and for a sidecar run in a
 // container by hand.
 func SetMemoryLimit(log *slog.Logger) {
 	setMemoryLimit(log, memlimit.FromCgroup)
 }
 
-func setMemoryLimit(log *slog.Logger, limit memlimit.Provider) {
+// setMemoryLimit is SetMemoryLimit with the limit read by limit. Only the
+// reading is automemlimit's: its Set would also obey AUTOMEMLIMIT, a
+// second variable this process does not document.
+func setMemoryLimit(log *slog.Logger, limit func() (uint64, error)) {
 	if v := os.Getenv("GOMEMLIMIT"); v != "" {
-		log.Debug("GOMEMLIMIT is set; the container's memory limit is not read", "GOMEMLIMIT", v)
+		log.Info("Go memory limit as GOMEMLIMIT gives it; the container's memory limit is not read", "GOMEMLIMIT", v)
 		return
 	}
-	set, err := memlimit.Set(memlimit.WithProvider(limit), memlimit.WithRatio(MemoryLimitShare))
+	l, err := limit()
 	switch {
-	case errors.Is(err, memlimit.ErrCgroupsNotSupported), errors.Is(err, memlimit.ErrNoCgroup):
-		// Not in a container: no limit to read.
+	case errors.Is(err, memlimit.ErrNoLimit), errors.Is(err, memlimit.ErrCgroupsNotSupported), errors.Is(err, memlimit.ErrNoCgroup):
+		// No limit, or no container to have one.
+		return
 	case err != nil:
 		log.Warn("Cannot read the container's memory limit; the Go runtime has no memory limit", "err", err)
-	case set > 0 && set < math.MaxInt64:
-		log.Info("Go memory limit set from the container's memory limit", "GOMEMLIMIT", set, "share", MemoryLimitShare)
+		return
 	}
+	set := float64(l) * MemoryLimitShare
+	if l == 0 || set >= math.MaxInt64 {
+		return
+	}
+	debug.SetMemoryLimit(int64(set))
+	log.Info("Go memory limit set from the container's memory limit", "GOMEMLIMIT", int64(set), "share", MemoryLimitShare)
 }

@@ -12,6 +12,8 @@ import (
 	"github.com/KimMachineGun/automemlimit/memlimit"
 )
 
+type provider = func() (uint64, error)
+
 // keepMemoryLimit restores the process's Go memory limit after the test.
 func keepMemoryLimit(t *testing.T) {
 	before := debug.SetMemoryLimit(math.MaxInt64)
@@ -23,14 +25,19 @@ func TestSetMemoryLimit(t *testing.T) {
 	for _, tc := range []struct {
 		name     string
 		env      string // GOMEMLIMIT
-		provider memlimit.Provider
+		provider provider
 		want     int64
-		log      string // a line the log must hold, "" for an empty log
+		// automemlimit is AUTOMEMLIMIT, which automemlimit's own Set reads.
+		automemlimit string
+		log          string // a line the log must hold, "" for an empty log
 	}{
-		{name: "container limit", provider: memlimit.Limit(gib), want: 858993459, // 0.8 GiB, rounded down
+		{name: "container limit", provider: func() (uint64, error) { return gib, nil }, want: 858993459, // 0.8 GiB, rounded down
 			log: `"msg":"Go memory limit set from the container's memory limit","GOMEMLIMIT":858993459`},
 		{name: "GOMEMLIMIT stands", env: "300MiB", provider: func() (uint64, error) { t.Error("the cgroup was read though GOMEMLIMIT is set"); return gib, nil },
-			want: math.MaxInt64},
+			want: math.MaxInt64, log: `"msg":"Go memory limit as GOMEMLIMIT gives it; the container's memory limit is not read","GOMEMLIMIT":"300MiB"`},
+		{name: "AUTOMEMLIMIT is not ours", env: "", automemlimit: "0.5", provider: func() (uint64, error) { return gib, nil }, want: 858993459,
+			log: `"GOMEMLIMIT":858993459,"share":0.8`},
+		{name: "a limit too large to be one", provider: func() (uint64, error) { return math.MaxUint64, nil }, want: math.MaxInt64},
 		{name: "no limit", provider: func() (uint64, error) { return 0, memlimit.ErrNoLimit }, want: math.MaxInt64},
 		{name: "not in a container", provider: func() (uint64, error) { return 0, memlimit.ErrCgroupsNotSupported }, want: math.MaxInt64},
 		{name: "unreadable cgroup", provider: func() (uint64, error) { return 0, errors.New("permission denied") }, want: math.MaxInt64,
@@ -39,6 +46,7 @@ func TestSetMemoryLimit(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			keepMemoryLimit(t)
 			t.Setenv("GOMEMLIMIT", tc.env)
+			t.Setenv("AUTOMEMLIMIT", tc.automemlimit)
 			var out bytes.Buffer
 			setMemoryLimit(slog.New(slog.NewJSONHandler(&out, nil)), tc.provider)
 			if got := debug.SetMemoryLimit(-1); got != tc.want {

@@ -109,7 +109,6 @@ func Main(ctx context.Context, args []string) error {
 	if err != nil {
 		return fs.Attribute(err)
 	}
-	cli.SetMemoryLimit(w.log)
 	code, err := w.Run(ctx)
 	if err != nil {
 		return fs.Attribute(err)

@@ -6,6 +6,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 )
@@ -21,15 +22,19 @@ type memCgroup struct {
 }
 
 // newMemCgroup makes a memory cgroup of limit bytes, on cgroup v2 where
-// it has the memory controller, else on v1's memory hierarchy. It needs
-// root.
+// its root gives children the memory controller, else in this process's
+// own cgroup of v1's memory hierarchy, so that any limit above it still
+// holds. It needs root.
 func newMemCgroup(limit int64) (*memCgroup, error) {
 	name := fmt.Sprintf("idemcp-bench-push-%d", os.Getpid())
 	c := &memCgroup{limit: limit}
-	if b, err := os.ReadFile("/sys/fs/cgroup/cgroup.controllers"); err == nil && strings.Contains(" "+string(b)+" ", " memory ") {
+	if b, err := os.ReadFile("/sys/fs/cgroup/cgroup.controllers"); err == nil && slices.Contains(strings.Fields(string(b)), "memory") {
+		if b, err := os.ReadFile("/sys/fs/cgroup/cgroup.subtree_control"); err != nil || !slices.Contains(strings.Fields(string(b)), "memory") {
+			return nil, errors.New("-manager-memory-limit: cgroup v2 does not give its root's children the memory controller: echo +memory > /sys/fs/cgroup/cgroup.subtree_control")
+		}
 		c.dir, c.v2 = filepath.Join("/sys/fs/cgroup", name), true
-	} else if _, err := os.Stat("/sys/fs/cgroup/memory/memory.limit_in_bytes"); err == nil {
-		c.dir = filepath.Join("/sys/fs/cgroup/memory", name)
+	} else if own, ok := v1MemoryPath(); ok {
+		c.dir = filepath.Join("/sys/fs/cgroup/memory", own, name)
 	} else {
 		return nil, errors.New("-manager-memory-limit needs a cgroup memory controller: neither cgroup v2's nor v1's is mounted under /sys/fs/cgroup")
 	}
@@ -45,6 +50,25 @@ func newMemCgroup(limit int64) (*memCgroup, error) {
 		return nil, fmt.Errorf("-manager-memory-limit: %w", err)
 	}
 	return c, nil
+}
+
+// v1MemoryPath is this process's cgroup in v1's memory hierarchy, if that
+// is mounted.
+func v1MemoryPath() (string, bool) {
+	if _, err := os.Stat("/sys/fs/cgroup/memory/memory.limit_in_bytes"); err != nil {
+		return "", false
+	}
+	b, err := os.ReadFile("/proc/self/cgroup")
+	if err != nil {
+		return "", false
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		// hierarchy-ID:controllers:path
+		if f := strings.SplitN(line, ":", 3); len(f) == 3 && slices.Contains(strings.Split(f[1], ","), "memory") {
+			return f[2], true
+		}
+	}
+	return "", false
 }
 
 // command runs bin in the cgroup, from a copy the cgroup itself wrote, so
@@ -93,5 +117,10 @@ func (c *memCgroup) summary() string {
 	return fmt.Sprintf("limit %d MiB, peak %.0f MiB (page cache included, which the kernel reclaims at the limit), %d OOM kills", c.limit>>20, float64(peak)/(1<<20), c.oomKills())
 }
 
-// remove deletes the cgroup once its processes have ended.
-func (c *memCgroup) remove() { _ = os.Remove(c.dir) }
+// remove deletes the cgroup once its processes have ended, or says where
+// it was left.
+func (c *memCgroup) remove() {
+	if err := os.Remove(c.dir); err != nil {
+		fmt.Fprintf(os.Stderr, "bench push: the manager's memory cgroup %s is left behind: %v\n", c.dir, err)
+	}
+}
