@@ -555,8 +555,17 @@ func (w *world) countExecutions(next mcp.MethodHandler) mcp.MethodHandler {
 	return func(ctx context.Context, method string, req mcp.Request) (mcp.Result, error) {
 		// An execution counts from when the sidecar dispatched it: one sent
 		// before the call completed raced its owner, it did not ignore a
-		// stored result.
-		dispatched := time.Now()
+		// stored result. That is when it reached upstreamFaults, before
+		// any hang it injected: a hung execution runs up to lease+1.5s
+		// later, maybe after a store outage during which its claim lapsed
+		// and a retry took it over (CI saw one dispatched at 04.58, hung,
+		// run at 06.81, and its take-over at 06.86, after a pause of
+		// Redis from 04.76 to 06.78, counted as a lost claim).
+		dispatched, ok := ctx.Value(arrivedKey{}).(time.Time)
+		if !ok && method == "tools/call" {
+			w.t.Errorf("a tools/call reached the server without the time it arrived (upstreamFaults)")
+			dispatched = time.Now()
+		}
 		res, err := next(ctx, method, req)
 		ctr, ok := req.(*mcp.CallToolRequest)
 		if method != "tools/call" || !ok || err != nil || ctx.Err() != nil {
@@ -572,10 +581,15 @@ func (w *world) countExecutions(next mcp.MethodHandler) mcp.MethodHandler {
 	}
 }
 
+// arrivedKey is the context key of the time a request reached
+// upstreamFaults, as its sidecar dispatched it.
+type arrivedKey struct{}
+
 // upstreamFaults makes some tools/call requests fail before they reach the
 // server (the connection is aborted) or hang for longer than the lease.
 func (w *world) upstreamFaults(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
+		r = r.WithContext(context.WithValue(r.Context(), arrivedKey{}, time.Now()))
 		if r.Method == http.MethodPost && r.Header.Get("Mcp-Method") == "tools/call" {
 			switch p := w.rnd.float(); {
 			case p < 0.05:
