@@ -200,14 +200,11 @@ func TestIdempotentProxyObjects(t *testing.T) {
 		oldHash = px.Status.PolicyHash
 		return nil
 	})
-	var pol v1alpha1.IdempotencyPolicy
-	if err := k8s.Get(ctx, client.ObjectKey{Namespace: ns, Name: "payments"}, &pol); err != nil {
-		t.Fatal(err)
-	}
-	pol.Spec.TTL = &metav1.Duration{Duration: 3600e9}
-	if err := k8s.Update(ctx, &pol); err != nil {
-		t.Fatal(err)
-	}
+	// The controller writes the policy's status meanwhile: the update
+	// retries on a conflict.
+	updatePolicy(t, ns, "payments", func(p *v1alpha1.IdempotencyPolicy) {
+		p.Spec.TTL = &metav1.Duration{Duration: 3600e9}
+	})
 	eventually(t, "the proxy's status names the new policy version", func() error {
 		_, px := proxyCondition(t, ns, "stripe", v1alpha1.ConditionConfigured)
 		if px == nil || px.Status.PolicyHash == oldHash {

@@ -159,11 +159,11 @@ func TestLegacyDeadlineFollowsStaleWriters(t *testing.T) {
 		return nil
 	})
 	// The ttl lowered: the deadline does not move earlier.
-	p := getPolicy(t, ns, "payments")
-	p.Spec.TTL = &metav1.Duration{Duration: time.Minute}
-	if err := k8s.Update(ctx, p); err != nil {
-		t.Fatal(err)
-	}
+	// The controller writes the policy's status meanwhile: the update
+	// retries on a conflict (CI saw one).
+	updatePolicy(t, ns, "payments", func(p *v1alpha1.IdempotencyPolicy) {
+		p.Spec.TTL = &metav1.Duration{Duration: time.Minute}
+	})
 	eventually(t, "the lowered ttl reconciled", func() error {
 		p := getPolicy(t, ns, "payments")
 		if p.Status.ObservedGeneration != p.Generation {
