@@ -8,6 +8,8 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	resourcehelper "k8s.io/component-helpers/resource"
+
+	"github.com/idemcp/idemcp/internal/cli"
 )
 
 // Pod annotations that set the sidecar's resources; the manager's
@@ -154,14 +156,15 @@ func isGuaranteed(pod *corev1.Pod) bool {
 }
 
 // memoryEnv bounds the sidecar's memory use by its memory limit: the Go
-// runtime collects before the kernel kills (80% of the limit), and the
-// memory store holds at most half of it, so stored results cannot
-// OOM-kill the sidecar and lose its claims.
+// runtime collects before the kernel kills (cli.SoftMemoryLimit, 80% of
+// the limit, as the manager gives itself), and the memory store holds at
+// most half of it, so stored results cannot OOM-kill the sidecar and lose
+// its claims.
 func memoryEnv(pod *corev1.Pod, res corev1.ResourceRequirements, cfg Config) []corev1.EnvVar {
 	var env []corev1.EnvVar
 	budget := int64(0)
 	if lim, ok := res.Limits[corev1.ResourceMemory]; ok && !lim.IsZero() {
-		env = append(env, corev1.EnvVar{Name: "GOMEMLIMIT", Value: strconv.FormatInt(lim.Value()*8/10, 10)})
+		env = append(env, corev1.EnvVar{Name: "GOMEMLIMIT", Value: strconv.FormatInt(cli.SoftMemoryLimit(lim.Value()), 10)})
 		budget = lim.Value()
 	} else if lim, ok := cfg.Resources.Limits[corev1.ResourceMemory]; ok && !lim.IsZero() {
 		// Sharing a pod-level budget: the default limit still bounds the store.

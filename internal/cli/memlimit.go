@@ -11,10 +11,15 @@ import (
 )
 
 // MemoryLimitShare is the share of the container's memory limit the Go
-// runtime is given as its soft limit: the rest is for what the runtime
-// does not count (the binary's pages, the kernel's socket buffers). The
-// webhook gives an injected sidecar the same share as its GOMEMLIMIT.
+// runtime is given as its soft limit (SoftMemoryLimit): the rest is for
+// what the runtime does not count (the binary's pages, the kernel's socket
+// buffers).
 const MemoryLimitShare = 0.8
+
+// SoftMemoryLimit is the GOMEMLIMIT for a container memory limit of limit
+// bytes: MemoryLimitShare of it, in bytes. The webhook gives an injected
+// sidecar this one, and the manager sets it for itself.
+func SoftMemoryLimit(limit int64) int64 { return limit * 8 / 10 }
 
 // SetMemoryLimit gives the Go runtime a soft memory limit (GOMEMLIMIT) of
 // MemoryLimitShare of the container's memory limit, read from its cgroup
@@ -53,10 +58,10 @@ func setMemoryLimit(log *slog.Logger, limit func() (uint64, error)) {
 		log.Warn("Cannot read the container's memory limit; the Go runtime has no memory limit", "err", err)
 		return
 	}
-	set := float64(l) * MemoryLimitShare
-	if l == 0 || set >= math.MaxInt64 {
+	if l == 0 || l > math.MaxInt64/8 {
 		return
 	}
-	debug.SetMemoryLimit(int64(set))
-	log.Info("Go memory limit set from the container's memory limit", "GOMEMLIMIT", int64(set), "share", MemoryLimitShare)
+	set := SoftMemoryLimit(int64(l))
+	debug.SetMemoryLimit(set)
+	log.Info("Go memory limit set from the container's memory limit", "GOMEMLIMIT", set, "share", MemoryLimitShare)
 }

@@ -380,7 +380,7 @@ func (s *suite) managerMemoryLimit(t *testing.T) {
 		// The kernel keeps a limit in whole pages; the manager's own log
 		// (zap's JSON, or its console encoder's "key": value) says it.
 		page := int64(os.Getpagesize())
-		want := int64(float64(lim.Value()/page*page) * cli.MemoryLimitShare)
+		want := cli.SoftMemoryLimit(lim.Value() / page * page)
 		logs := s.run(t, "-n", s.mgrNS, "logs", p.Name, "-c", p.Spec.Containers[0].Name)
 		if !regexp.MustCompile(fmt.Sprintf(`"GOMEMLIMIT": ?%d\b`, want)).MatchString(logs) {
 			t.Fatalf("manager pod %s: its log does not say it set its Go memory limit to %d, %.0f%% of its container's %s:\n%s",
