@@ -121,9 +121,21 @@ func (r *IdempotencyPolicyReconciler) reconcileManagedRedis(ctx context.Context,
 	if err != nil {
 		return st, 0, err
 	}
-	if err := r.ensure(ctx, p, sts, func() { mutateRedisStatefulSet(sts, p, image, hash); holdBy(sts, hold) }); err != nil {
+	if err := r.ensure(ctx, p, sts, func() {
+		// The image this Redis runs is read again from the object being
+		// updated: one edited since the read above (by hand, or by an
+		// earlier manager) is kept, not put back to what that read said.
+		if m.Image == "" {
+			if running := containerImage(sts.Spec.Template.Spec.Containers); running != "" {
+				image = running
+			}
+		}
+		mutateRedisStatefulSet(sts, p, image, hash)
+		holdBy(sts, hold)
+	}); err != nil {
 		return st, 0, err
 	}
+	st.image = image
 	for _, child := range []struct {
 		obj    client.Object
 		mutate func(client.Object)
