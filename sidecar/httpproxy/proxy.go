@@ -190,6 +190,7 @@ func New(o Options) *Proxy {
 		Rewrite:        p.rewrite,
 		Transport:      o.Transport,
 		FlushInterval:  -1,
+		BufferPool:     copyBufs{},
 		ModifyResponse: p.modifyResponse,
 		ErrorHandler:   p.upstreamError,
 		ErrorLog:       slog.NewLogLogger(o.Logger.Handler(), slog.LevelDebug),
@@ -247,3 +248,18 @@ const sinkChunk = 64 << 10
 // its response, and a fresh 32 KiB buffer per call was most of the bytes
 // an executed call allocated.
 var tailBufs = sync.Pool{New: func() any { b := make([]byte, 32<<10); return &b }}
+
+// copyBufs is the passthrough path's ReverseProxy.BufferPool, from
+// tailBufs: without one, ReverseProxy makes a 32 KiB buffer for every
+// response it copies, which was the largest allocation of a passthrough
+// call.
+type copyBufs struct{}
+
+func (copyBufs) Get() []byte { return *tailBufs.Get().(*[]byte) }
+
+func (copyBufs) Put(b []byte) {
+	if cap(b) == 32<<10 {
+		b = b[:cap(b)]
+		tailBufs.Put(&b)
+	}
+}
