@@ -210,8 +210,12 @@ type procEnv struct {
 	fullStartup                []time.Duration
 	fullIdleRSS, proxyIdleRSS  float64
 	idleRSS, sessRSS, sessPeak float64
-	sessions                   int
-	dup                        [][3]string
+	// idleAnon is idleRSS's private part (RssAnon); the rest is file
+	// pages, mostly the binary's, which every sidecar of one image on a
+	// node shares in the page cache.
+	idleAnon float64
+	sessions int
+	dup      [][3]string
 	// rounds the section ran, and whether it stopped because every
 	// headline ratio settled within the noise bound.
 	rounds  int
@@ -869,6 +873,7 @@ func (e *procEnv) measureSessions(n int) error {
 	}
 	time.Sleep(time.Second)
 	e.idleRSS = memKB(side.pid(), "VmRSS")
+	e.idleAnon = memKB(side.pid(), "RssAnon")
 	client := newClient()
 	post := func(sid, body string) (string, error) {
 		req, _ := http.NewRequest(http.MethodPost, side.url+"/", strings.NewReader(body))
