@@ -244,9 +244,10 @@ const headerFlushDelay = 5 * time.Millisecond
 // time a large event takes on a slow link.
 const sinkChunk = 64 << 10
 
-// tailBufs holds relayTail's buffers: almost every stream ends right after
-// its response, and a fresh 32 KiB buffer per call was most of the bytes
-// an executed call allocated.
+// tailBufs holds relayTail's buffers, and the passthrough path's
+// (copyBufs): almost every stream ends right after its response, and a
+// fresh 32 KiB buffer per call was most of the bytes an executed call
+// allocated.
 var tailBufs = sync.Pool{New: func() any { b := make([]byte, 32<<10); return &b }}
 
 // copyBufs is the passthrough path's ReverseProxy.BufferPool, from
@@ -257,6 +258,8 @@ type copyBufs struct{}
 
 func (copyBufs) Get() []byte { return *tailBufs.Get().(*[]byte) }
 
+// Put takes back what Get gave (ReverseProxy returns the slice whole);
+// the pointer it stores is 24 bytes, against the 32 KiB it saves.
 func (copyBufs) Put(b []byte) {
 	if cap(b) == 32<<10 {
 		b = b[:cap(b)]
