@@ -568,7 +568,11 @@ func (w *world) countExecutions(next mcp.MethodHandler) mcp.MethodHandler {
 		}
 		res, err := next(ctx, method, req)
 		ctr, ok := req.(*mcp.CallToolRequest)
-		if method != "tools/call" || !ok || err != nil || ctx.Err() != nil {
+		// A charge took effect when the tool answered a result, not an
+		// error (charge_card's only error is a cancel before it charges):
+		// one whose context was cancelled just after it charged counts too.
+		ctres, _ := res.(*mcp.CallToolResult)
+		if method != "tools/call" || !ok || err != nil || ctres == nil || ctres.IsError {
 			return res, err
 		}
 		var args mcpserver.ChargeArgs
