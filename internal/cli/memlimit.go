@@ -17,9 +17,10 @@ import (
 const MemoryLimitShare = 0.8
 
 // SoftMemoryLimit is the GOMEMLIMIT for a container memory limit of limit
-// bytes: MemoryLimitShare of it, in bytes. The webhook gives an injected
-// sidecar this one, and the manager sets it for itself.
-func SoftMemoryLimit(limit int64) int64 { return limit * 8 / 10 }
+// bytes: MemoryLimitShare of it, in bytes, rounded down, for any limit a
+// quantity can hold (limit*8 would overflow above 1 EiB). The webhook
+// gives an injected sidecar this one, and the manager sets it for itself.
+func SoftMemoryLimit(limit int64) int64 { return limit/10*8 + limit%10*8/10 }
 
 // SetMemoryLimit gives the Go runtime a soft memory limit (GOMEMLIMIT) of
 // MemoryLimitShare of the container's memory limit, read from its cgroup
@@ -58,7 +59,7 @@ func setMemoryLimit(log *slog.Logger, limit func() (uint64, error)) {
 		log.Warn("Cannot read the container's memory limit; the Go runtime has no memory limit", "err", err)
 		return
 	}
-	if l == 0 || l > math.MaxInt64/8 {
+	if l == 0 || l > math.MaxInt64 {
 		return
 	}
 	set := SoftMemoryLimit(int64(l))

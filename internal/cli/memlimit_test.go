@@ -5,6 +5,7 @@ import (
 	"errors"
 	"log/slog"
 	"math"
+	"math/big"
 	"runtime/debug"
 	"strings"
 	"testing"
@@ -56,5 +57,17 @@ func TestSetMemoryLimit(t *testing.T) {
 				t.Errorf("log %q, want it to hold %q", out.String(), tc.log)
 			}
 		})
+	}
+}
+
+// TestSoftMemoryLimit: 80% of a limit, rounded down, exactly, up to the
+// largest limit a quantity holds (8Ei is just past it), where limit*8
+// would overflow into a negative GOMEMLIMIT the runtime refuses at start.
+func TestSoftMemoryLimit(t *testing.T) {
+	for _, limit := range []int64{0, 1, 9, 10, 1 << 30, 256 << 20, 300e6, 1 << 60, math.MaxInt64 / 8, math.MaxInt64/8 + 1, math.MaxInt64} {
+		want := new(big.Int).Div(new(big.Int).Mul(big.NewInt(limit), big.NewInt(8)), big.NewInt(10)).Int64()
+		if got := SoftMemoryLimit(limit); got != want {
+			t.Errorf("SoftMemoryLimit(%d) = %d, want %d", limit, got, want)
+		}
 	}
 }

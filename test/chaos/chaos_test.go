@@ -568,11 +568,8 @@ func (w *world) countExecutions(next mcp.MethodHandler) mcp.MethodHandler {
 		}
 		res, err := next(ctx, method, req)
 		ctr, ok := req.(*mcp.CallToolRequest)
-		// A charge took effect when the tool answered a result, not an
-		// error (charge_card's only error is a cancel before it charges):
-		// one whose context was cancelled just after it charged counts too.
-		ctres, _ := res.(*mcp.CallToolResult)
-		if method != "tools/call" || !ok || err != nil || ctres == nil || ctres.IsError {
+		// One whose context was cancelled just after it charged counts too.
+		if method != "tools/call" || !ok || !mcpserver.Charged(res, err) {
 			return res, err
 		}
 		var args mcpserver.ChargeArgs

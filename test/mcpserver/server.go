@@ -63,6 +63,15 @@ type ChargeArgs struct {
 	Size int `json:"size,omitempty"`
 }
 
+// Charged reports whether a charge_card or refund call, answered res and
+// err by the server's method handler, took effect: the tool answered a
+// result, not an error (its only error is a cancel before it charges),
+// whatever became of the request's context after it charged.
+func Charged(res mcp.Result, err error) bool {
+	r, ok := res.(*mcp.CallToolResult)
+	return err == nil && ok && r != nil && !r.IsError
+}
+
 // ChargeResult is charge_card's structured result.
 type ChargeResult struct {
 	ChargeID int    `json:"chargeId"`

@@ -505,8 +505,7 @@ func (s *soak) countExecutions(next mcp.MethodHandler) mcp.MethodHandler {
 		dispatched := time.Now()
 		res, err := next(ctx, method, req)
 		ctr, ok := req.(*mcp.CallToolRequest)
-		ctres, _ := res.(*mcp.CallToolResult)
-		if method != "tools/call" || !ok || err != nil || ctres == nil || ctres.IsError {
+		if method != "tools/call" || !ok || !mcpserver.Charged(res, err) {
 			return res, err
 		}
 		var args mcpserver.ChargeArgs
