@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"strings"
+	"sync"
 )
 
 // Event is one server-sent event, parsed as the WHATWG HTML specification
@@ -79,6 +80,15 @@ type EventReader struct {
 	dataInRaw        bool
 	dataFrom, dataTo int
 
+	// A large event's Raw is kept in blocks as it is read, not in one
+	// slice that doubles as it grows (which allocated up to four times a
+	// 1 MiB event, and copied it twice): head holds its first headLen
+	// bytes, in blocks of up to rawBlock bytes, ev.Raw the rest, and
+	// event joins them once, at the event's size. A small event is all
+	// in ev.Raw, as before.
+	head    [][]byte
+	headLen int
+
 	// stream receives a large event's bytes as they are read (Stream).
 	stream    io.Writer
 	lineStart int  // where the line being read starts in Raw
@@ -105,7 +115,7 @@ func (er *EventReader) streamUpTo() int {
 	case er.inLine && !er.comment && !er.inValue && !er.nameLong && strings.HasPrefix("id", string(er.name)):
 		return er.lineStart
 	}
-	return len(er.ev.Raw)
+	return er.rawLen()
 }
 
 // hold marks the line being read an id line.
@@ -149,7 +159,7 @@ func (er *EventReader) Next() (Event, error) {
 		if !er.started && !er.checkBOM() {
 			continue
 		}
-		room := er.max - len(er.ev.Raw)
+		room := er.max - er.rawLen()
 		if room <= 0 {
 			ev := er.event()
 			return ev, fmt.Errorf("%w (%d bytes)", ErrEventTooLarge, er.max)
@@ -159,19 +169,20 @@ func (er *EventReader) Next() (Event, error) {
 		// data can be a run of Raw; then only what the event used goes
 		// into Raw. (Copied whole first, every small event cost a copy of
 		// the buffer behind it, up to 32 KiB.)
-		base := len(er.ev.Raw)
+		base := er.rawLen()
 		er.chunk = chunk
 		n, done := er.consume(chunk, base)
 		er.chunk = nil
-		er.ev.Raw = er.appendRaw(chunk[:n])
+		er.addRaw(chunk[:n])
 		er.r += n
 		if done {
 			return er.take(), nil
 		}
-		if er.stream != nil && len(er.ev.Raw)-er.ev.Sent >= streamMin {
-			if upTo := er.streamUpTo(); upTo > er.ev.Sent {
-				_, _ = er.stream.Write(er.ev.Raw[er.ev.Sent:upTo])
-				er.ev.Sent = upTo
+		if er.stream != nil && er.rawLen()-er.ev.Sent >= streamMin {
+			for upTo := er.streamUpTo(); er.ev.Sent < upTo; {
+				piece := er.rawPiece(er.ev.Sent, upTo)
+				_, _ = er.stream.Write(piece)
+				er.ev.Sent += len(piece)
 			}
 		}
 	}
@@ -276,35 +287,94 @@ func (er *EventReader) checkBOM() bool {
 	}
 	er.started = true
 	if bytes.HasPrefix(b, bom) {
-		er.ev.Raw = append(er.ev.Raw, bom...)
+		er.addRaw(bom)
 		er.r += len(bom)
 	}
 	return true
 }
 
-// appendRaw appends b to the event's Raw, doubling its room as it grows
-// (append grows a large slice by a quarter: five times the event in
-// copies) up to the size limit.
-func (er *EventReader) appendRaw(b []byte) []byte {
+// rawBlock is the size of the blocks a large event's Raw is kept in.
+const rawBlock = 64 << 10
+
+// rawBlocks holds the blocks of events that were joined.
+var rawBlocks = sync.Pool{New: func() any { return new([rawBlock]byte) }}
+
+// rawLen is the length of the event's Raw so far.
+func (er *EventReader) rawLen() int { return er.headLen + len(er.ev.Raw) }
+
+// addRaw appends b to the event's Raw: in ev.Raw, doubling its room as it
+// grows up to a block (append grows a large slice by a quarter: five
+// times the event in copies), then in blocks.
+func (er *EventReader) addRaw(b []byte) {
 	raw := er.ev.Raw
-	if need := len(raw) + len(b); need > cap(raw) {
-		grown := make([]byte, len(raw), max(need, min(2*cap(raw), er.max)))
+	if need := len(raw) + len(b); need > cap(raw) && need <= rawBlock {
+		grown := make([]byte, len(raw), min(max(need, min(2*cap(raw), er.max)), rawBlock))
 		copy(grown, raw)
 		raw = grown
 	}
-	return append(raw, b...)
+	for len(raw)+len(b) > cap(raw) {
+		n := cap(raw) - len(raw)
+		raw = append(raw, b[:n]...)
+		b = b[n:]
+		er.head = append(er.head, raw)
+		er.headLen += len(raw)
+		raw = rawBlocks.Get().(*[rawBlock]byte)[:0]
+	}
+	er.ev.Raw = append(raw, b...)
+}
+
+// joinRaw makes the event's Raw one slice, of its size, and gives its
+// blocks back.
+func (er *EventReader) joinRaw() {
+	if len(er.head) == 0 {
+		return
+	}
+	tail := er.ev.Raw
+	er.ev.Raw = bytes.Join(append(er.head, tail), nil)
+	for _, b := range er.head {
+		putRawBlock(b)
+	}
+	putRawBlock(tail)
+	clear(er.head)
+	er.head, er.headLen = er.head[:0], 0
+}
+
+// putRawBlock gives a block back; b is no longer used. A slice of
+// another size (the first, grown by doubling) is left to the collector.
+func putRawBlock(b []byte) {
+	if cap(b) == rawBlock {
+		rawBlocks.Put((*[rawBlock]byte)(b[:rawBlock]))
+	}
+}
+
+// rawPiece is the longest run of Raw[from:to] that is one slice: of a
+// block, of ev.Raw, or, past them, of the chunk Next is parsing. The
+// blocks are searched from the last, since what is asked for is mostly
+// what was read last.
+func (er *EventReader) rawPiece(from, to int) []byte {
+	if from < er.headLen {
+		off := er.headLen
+		for i := len(er.head) - 1; i >= 0; i-- {
+			off -= len(er.head[i])
+			if from >= off {
+				return er.head[i][from-off : min(to, off+len(er.head[i]))-off]
+			}
+		}
+	}
+	if in := er.rawLen(); from < in {
+		return er.ev.Raw[from-er.headLen : min(to, in)-er.headLen]
+	} else {
+		return er.chunk[from-in : to-in]
+	}
 }
 
 // appendRawRange appends Raw[from:to] to dst. While Next parses a chunk,
-// the positions from len(Raw) on are in that chunk, not yet in Raw.
+// the positions from rawLen on are in that chunk, not yet in Raw.
 func (er *EventReader) appendRawRange(dst []byte, from, to int) []byte {
-	in := len(er.ev.Raw)
-	if from < in {
-		dst = append(dst, er.ev.Raw[from:min(to, in)]...)
-		from = min(to, in)
-	}
-	if from < to {
-		dst = append(dst, er.chunk[from-in:to-in]...)
+	for from < to {
+		piece := er.rawPiece(from, to)
+		dst = append(dst, piece...)
+		from += len(piece)
 	}
 	return dst
 }
@@ -314,6 +384,7 @@ func (er *EventReader) appendRawRange(dst []byte, from, to int) []byte {
 // not kept (SkipEvent).
 func (er *EventReader) consume(b []byte, base int) (int, bool) {
 	i := 0
+	nl := -1 // the first "\n" at or after i, or len(b)
 	for i < len(b) {
 		if er.afterCR {
 			er.afterCR = false
@@ -336,10 +407,7 @@ func (er *EventReader) consume(b []byte, base int) (int, bool) {
 			}
 			continue
 		}
-		j := bytes.IndexAny(b[i:], "\r\n")
-		if j < 0 {
-			j = len(b) - i
-		}
+		j := er.lineEnd(b, i, &nl) - i
 		pos := -1
 		if base >= 0 {
 			pos = base + i
@@ -348,6 +416,26 @@ func (er *EventReader) consume(b []byte, base int) (int, bool) {
 		i += j
 	}
 	return i, false
+}
+
+// lineEnd is where the line content at b[i] ends: the next "\r" or
+// "\n", or len(b). It looks for each with bytes.IndexByte, not for both
+// a byte at a time (bytes.IndexAny), which cost a 1 MiB data line more
+// than reading it; *nl keeps the "\n" found until i passes it, so that a
+// stream of many bare "\r" line ends is still scanned once.
+func (er *EventReader) lineEnd(b []byte, i int, nl *int) int {
+	if *nl < i {
+		*nl = bytes.IndexByte(b[i:], '\n')
+		if *nl < 0 {
+			*nl = len(b)
+		} else {
+			*nl += i
+		}
+	}
+	if k := bytes.IndexByte(b[i:*nl], '\r'); k >= 0 {
+		return i + k
+	}
+	return *nl
 }
 
 // content takes a run of a line's bytes, without line endings, found at
@@ -442,6 +530,7 @@ func (er *EventReader) appendData(b []byte, pos int) {
 
 // event is the event read so far, its data made a slice.
 func (er *EventReader) event() Event {
+	er.joinRaw()
 	ev := er.ev
 	ev.Raw = ev.Raw[:len(ev.Raw):len(ev.Raw)]
 	if er.dataInRaw {
@@ -480,6 +569,14 @@ func (er *EventReader) take() Event {
 }
 
 func (er *EventReader) reset() {
+	if len(er.head) > 0 { // an event never returned: give its blocks back
+		for _, b := range er.head {
+			putRawBlock(b)
+		}
+		putRawBlock(er.ev.Raw)
+		clear(er.head)
+		er.head, er.headLen = er.head[:0], 0
+	}
 	er.ev = Event{}
 	er.nonBlank = false
 	er.dataInRaw = false
@@ -491,7 +588,7 @@ func (er *EventReader) end() (Event, error) {
 	if er.inLine && errors.Is(er.err, io.EOF) {
 		er.endLine()
 	}
-	if len(er.ev.Raw) == 0 {
+	if er.rawLen() == 0 {
 		if errors.Is(er.err, io.EOF) {
 			return Event{}, io.EOF
 		}

@@ -307,3 +307,79 @@ func TestSmallEventsCostTheirSize(t *testing.T) {
 		t.Errorf("reading %d events (%d bytes) allocated %d bytes, want about their size", events+1, size, got)
 	}
 }
+
+// TestLargeEventsInBlocks: events larger than a block, at its edges and
+// far past them, one data line or many (data copied out of the blocks),
+// read in small chunks while Stream sends them on, come back whole and
+// exact; each event returned keeps its bytes while the blocks are reused
+// for the events after it; and a 1 MiB event, once the blocks are warm,
+// allocates about its own size, where doubling a slice allocated four
+// times it.
+func TestLargeEventsInBlocks(t *testing.T) {
+	type want struct{ raw, data string }
+	var stream strings.Builder
+	var wants []want
+	add := func(raw, data string) {
+		stream.WriteString(raw)
+		wants = append(wants, want{raw, data})
+	}
+	for i, n := range []int{rawBlock - 10, rawBlock - 9, rawBlock, rawBlock + 1, 3*rawBlock + 7, 1<<20 + 3} {
+		d := strings.Repeat(string(rune('a'+i)), n)
+		add("event: message\ndata: "+d+"\n\n", d)
+	}
+	// Many data lines, one CRLF-ended: the data is no run of Raw.
+	line := strings.Repeat("L", 40<<10)
+	add("data: "+line+"\ndata: "+line+"\r\ndata: "+line+"\ndata: "+line+"\nid: 9\n\n", line+"\n"+line+"\n"+line+"\n"+line)
+	add("data: {}\n\n", "{}")
+
+	er := NewEventReader(&chunked{b: []byte(stream.String()), seed: 11}, 4<<20)
+	var sent []byte
+	er.Stream(writerFunc(func(b []byte) (int, error) {
+		sent = append(sent, b...)
+		return len(b), nil
+	}))
+	var got []Event
+	var relayed []byte
+	for {
+		ev, err := er.Next()
+		if errors.Is(err, io.EOF) {
+			break
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		relayed = append(append(relayed, sent...), ev.Raw[ev.Sent:]...)
+		sent = sent[:0]
+		got = append(got, ev)
+	}
+	if len(got) != len(wants) {
+		t.Fatalf("%d events, want %d", len(got), len(wants))
+	}
+	for i, w := range wants {
+		if string(got[i].Raw) != w.raw || string(got[i].Data) != w.data {
+			t.Errorf("event %d: Raw %d bytes, Data %d bytes; want %d and %d, as sent", i, len(got[i].Raw), len(got[i].Data), len(w.raw), len(w.data))
+		}
+	}
+	if string(relayed) != stream.String() {
+		t.Errorf("what Stream sent and the rest of each Raw are not the stream (%d bytes, want %d)", len(relayed), stream.Len())
+	}
+
+	big := "event: message\ndata: " + strings.Repeat("z", 1<<20) + "\n\n"
+	read := func() uint64 {
+		er := NewEventReader(bytes.NewReader([]byte(big)), 4<<20)
+		var before, after runtime.MemStats
+		runtime.ReadMemStats(&before)
+		ev, err := er.Next()
+		runtime.ReadMemStats(&after)
+		if err != nil || string(ev.Raw) != big {
+			t.Fatalf("the 1 MiB event: %v, %d bytes", err, len(ev.Raw))
+		}
+		return after.TotalAlloc - before.TotalAlloc
+	}
+	read()
+	alloc := read()
+	t.Logf("reading a 1 MiB event allocated %d bytes", alloc)
+	if alloc > uint64(len(big))*2 {
+		t.Errorf("reading a 1 MiB event allocated %d bytes, want under twice its size", alloc)
+	}
+}
