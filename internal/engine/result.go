@@ -29,7 +29,8 @@ func (e *Engine) replayableChecked(p *Plan, resp []byte, valid bool) ([]byte, st
 	if !valid && !mcpmsg.Valid(resp) {
 		return nil, ReasonTransport
 	}
-	top, ok := mcpmsg.Members(resp)
+	// The response's members and its result's, in one scan.
+	top, members, isObject, ok := mcpmsg.MembersWithin(resp, "result")
 	if !ok {
 		return nil, ReasonTransport
 	}
@@ -48,8 +49,6 @@ func (e *Engine) replayableChecked(p *Plan, resp []byte, valid bool) ([]byte, st
 	if result == nil {
 		return nil, ReasonTransport
 	}
-	result = bytes.TrimLeft(result, " \t\r\n")
-	members, isObject := objectMembers(result)
 	var task bool
 	if isObject {
 		for _, mb := range members {

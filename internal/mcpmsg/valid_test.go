@@ -2,6 +2,7 @@ package mcpmsg
 
 import (
 	"encoding/json"
+	"slices"
 	"strings"
 	"testing"
 )
@@ -60,6 +61,37 @@ func FuzzSkipString(f *testing.F) {
 		}
 		if got, want := skipString(b, 0), skipStringByBytes(b, 0); got != want {
 			t.Errorf("skipString(%q) = %d, want %d", b, got, want)
+		}
+	})
+}
+
+// FuzzMembersWithin: MembersWithin's one scan finds what Members finds,
+// of the object and of its last "result" member's value.
+func FuzzMembersWithin(f *testing.F) {
+	for _, c := range append(validCases,
+		`{"jsonrpc":"2.0","id":1,"result":{"content":[{"type":"text","text":"a\"}"}],"isError":false}}`,
+		`{"result":1,"result":{"a":{"b":2}} , "id":"x"}`, `{"result":{"a":1},"result":"s"}`, `{ "result" : { } }`,
+		`{"resul\u0074":{"a":1}}`, `{"error":{"code":1},"result":[{"a":1}]}`) {
+		f.Add([]byte(c))
+	}
+	f.Fuzz(func(t *testing.T, b []byte) {
+		if !Valid(b) {
+			return
+		}
+		ms, inner, innerObject, ok := MembersWithin(b, "result")
+		wantMs, wantOK := Members(b)
+		if ok != wantOK || !slices.Equal(ms, wantMs) {
+			t.Fatalf("MembersWithin(%q): %v %v, Members: %v %v", b, ms, ok, wantMs, wantOK)
+		}
+		var wantInner []Member
+		wantObject := false
+		for _, m := range wantMs {
+			if m.Name == "result" {
+				wantInner, wantObject = Members(b[m.Start:m.End])
+			}
+		}
+		if innerObject != wantObject || !slices.Equal(inner, wantInner) {
+			t.Fatalf("MembersWithin(%q) result: %v %v, Members of it: %v %v", b, inner, innerObject, wantInner, wantObject)
 		}
 	})
 }
