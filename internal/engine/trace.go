@@ -11,6 +11,7 @@ import (
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/idemcp/idemcp/internal/mcpmsg"
 	"github.com/idemcp/idemcp/internal/policy"
 	"github.com/idemcp/idemcp/internal/tracing"
 )
@@ -347,7 +348,8 @@ func withExecution(stored []byte, execution trace.SpanContext) []byte {
 	if tp == "" {
 		return stored
 	}
-	top, ok := objectMembers(stored)
+	// The response's members and its result's, in one scan.
+	top, members, isObject, ok := mcpmsg.MembersWithin(stored, "result")
 	if !ok {
 		return stored
 	}
@@ -355,11 +357,10 @@ func withExecution(stored []byte, execution trace.SpanContext) []byte {
 		if top[i].Name != "result" {
 			continue
 		}
-		result := stored[top[i].Start:top[i].End]
-		members, isObject := objectMembers(result)
-		if !isObject || len(result) == 0 || result[0] != '{' {
+		if !isObject {
 			return stored
 		}
+		result := stored[top[i].Start:top[i].End]
 		marked := setMeta(result, members, ExecutionMeta, `"`+tp+`"`)
 		return splice(stored, top[i].Start, top[i].End, string(marked))
 	}

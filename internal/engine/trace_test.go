@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"maps"
+	"slices"
 	"strings"
 	"testing"
 
@@ -303,4 +304,110 @@ type keepingSDKSpan struct {
 func (s *keepingSDKSpan) SetAttributes(kv ...attribute.KeyValue) {
 	s.keeper.attrs = kv
 	s.ReadWriteSpan.SetAttributes(kv...)
+}
+
+// A call's store round trips are child spans of its span, each within
+// the call and in the order they were made, with the operation and, for
+// one that failed, an error status and its type; the round trips of a
+// call whose span has already ended (it settles after its client left)
+// still get their spans, under it.
+func TestStoreSpans(t *testing.T) {
+	rec := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
+	fs := &flakyStore{Memory: store.NewMemory(0)}
+	t.Cleanup(func() { _ = fs.Close() })
+	e := New(Options{Policy: mustPolicy(t, `spec: {keyScope: Global, tools: [{name: charge, mode: Deduplicate}]}`), Store: fs,
+		Tracing: Tracing{Provider: func() trace.TracerProvider { return tp }, On: true}})
+	ok := func(context.Context) (Upstream, error) {
+		return Upstream{Response: []byte(`{"jsonrpc":"2.0","id":1,"result":{}}`)}, nil
+	}
+	// storeSpans is the call span named tool's store spans, as "op" or
+	// "op:error.type", each checked to lie within it, after the last.
+	storeSpans := func(tool string) []string {
+		t.Helper()
+		var call sdktrace.ReadOnlySpan
+		for _, s := range rec.Ended() {
+			if s.Name() == "tools/call "+tool {
+				call = s
+			}
+		}
+		if call == nil {
+			t.Fatalf("no span of %s", tool)
+		}
+		var ops []string
+		last := call.StartTime()
+		for _, s := range rec.Ended() {
+			if s.Parent().SpanID() != call.SpanContext().SpanID() {
+				continue
+			}
+			op := ""
+			for _, a := range s.Attributes() {
+				switch a.Key {
+				case tracing.StoreOperation:
+					op += a.Value.AsString()
+				case tracing.ErrorType:
+					op += ":" + a.Value.AsString()
+				}
+			}
+			if s.Name() != "idemcp.store "+strings.SplitN(op, ":", 2)[0] || s.SpanKind() != trace.SpanKindClient {
+				t.Errorf("%s: store span %q (%v) for %q, want a client span idemcp.store <op>", tool, s.Name(), s.SpanKind(), op)
+			}
+			if failed := strings.Contains(op, ":"); failed != (s.Status().Code == codes.Error) {
+				t.Errorf("%s: store span %s has status %v", tool, op, s.Status())
+			}
+			if s.StartTime().Before(last) || s.EndTime().Before(s.StartTime()) {
+				t.Errorf("%s: store span %s from %v to %v, want after %v and in order", tool, op, s.StartTime(), s.EndTime(), last)
+			}
+			last = s.EndTime()
+			ops = append(ops, op)
+		}
+		return ops
+	}
+
+	ctx, span := e.StartCall(context.Background(), CallInfo{Tool: "charge"})
+	p, err := e.PlanCall(ctx, &ToolCall{Name: "charge", Arguments: json.RawMessage(`{"n":1}`)}, Caller{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	fs.failComplete.Store(1) // the first Complete fails, the retry stores it
+	if out, err := e.Execute(ctx, p, ok); err != nil || out.Kind != Executed {
+		t.Fatal(out, err)
+	}
+	if err := e.Drain(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	span.End()
+	if got, want := storeSpans("charge"), []string{"reserve", "complete:unavailable", "complete"}; !slices.Equal(got, want) {
+		t.Errorf("the executed call's store spans: %v, want %v", got, want)
+	}
+
+	// A call whose span ended before its store round trips.
+	ctx, span = e.StartCall(context.Background(), CallInfo{Tool: "charge"})
+	p, err = e.PlanCall(ctx, &ToolCall{Name: "charge", Arguments: json.RawMessage(`{"n":2}`)}, Caller{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	span.End()
+	if out, err := e.Execute(ctx, p, ok); err != nil || out.Kind != Executed {
+		t.Fatal(out, err)
+	}
+	if err := e.Drain(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	calls := 0
+	for _, s := range rec.Ended() {
+		if s.Name() == "tools/call charge" {
+			calls++
+		}
+	}
+	if calls != 2 {
+		t.Fatalf("%d call spans, want 2", calls)
+	}
+	var second []string
+	for _, s := range rec.Ended()[len(rec.Ended())-2:] {
+		second = append(second, s.Name())
+	}
+	if want := []string{"idemcp.store reserve", "idemcp.store complete"}; !slices.Equal(second, want) {
+		t.Errorf("after its span ended, the call's round trips made %v, want %v", second, want)
+	}
 }
