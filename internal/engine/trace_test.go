@@ -355,8 +355,8 @@ func TestStoreSpans(t *testing.T) {
 			if failed := strings.Contains(op, ":"); failed != (s.Status().Code == codes.Error) {
 				t.Errorf("%s: store span %s has status %v", tool, op, s.Status())
 			}
-			if s.StartTime().Before(last) || s.EndTime().Before(s.StartTime()) {
-				t.Errorf("%s: store span %s from %v to %v, want after %v and in order", tool, op, s.StartTime(), s.EndTime(), last)
+			if s.StartTime().Before(last) || s.EndTime().Before(s.StartTime()) || s.EndTime().After(call.EndTime()) {
+				t.Errorf("%s: store span %s from %v to %v, want after %v, in order and before the call's end %v", tool, op, s.StartTime(), s.EndTime(), last, call.EndTime())
 			}
 			last = s.EndTime()
 			ops = append(ops, op)
@@ -394,18 +394,20 @@ func TestStoreSpans(t *testing.T) {
 	if err := e.Drain(context.Background()); err != nil {
 		t.Fatal(err)
 	}
-	calls := 0
+	var calls []sdktrace.ReadOnlySpan
 	for _, s := range rec.Ended() {
 		if s.Name() == "tools/call charge" {
-			calls++
+			calls = append(calls, s)
 		}
 	}
-	if calls != 2 {
-		t.Fatalf("%d call spans, want 2", calls)
+	if len(calls) != 2 {
+		t.Fatalf("%d call spans, want 2", len(calls))
 	}
 	var second []string
-	for _, s := range rec.Ended()[len(rec.Ended())-2:] {
-		second = append(second, s.Name())
+	for _, s := range rec.Ended() {
+		if s.Parent().SpanID() == calls[1].SpanContext().SpanID() && s.SpanContext().TraceID() == calls[1].SpanContext().TraceID() {
+			second = append(second, s.Name())
+		}
 	}
 	if want := []string{"idemcp.store reserve", "idemcp.store complete"}; !slices.Equal(second, want) {
 		t.Errorf("after its span ended, the call's round trips made %v, want %v", second, want)

@@ -52,7 +52,10 @@ type EventReader struct {
 	// len(Raw) on until Next appends what the event used.
 	chunk []byte
 	r, w  int
-	err   error // sticky error of src
+	// nl is an index of buf for lineEnd: the next "\n" it found, or where
+	// its look for one ended.
+	nl  int
+	err error // sticky error of src
 	// filled: the last read filled buf, so the stream is not small.
 	filled bool
 	max    int
@@ -104,7 +107,9 @@ const streamMin = 16 << 10
 // they are read, up to the event's first id line (or a line that may yet
 // be one): a caller that relays events as they come relays a large one
 // without waiting for its end, and no id reaches w before the event that
-// carries it is returned whole. Event.Sent says how much went.
+// carries it is returned whole. Event.Sent says how much went. w must
+// not keep the slices it is given (as io.Writer says): they are the
+// reader's, and reused for other events.
 func (er *EventReader) Stream(w io.Writer) { er.stream = w }
 
 // streamUpTo is how much of Raw may be sent now.
@@ -251,7 +256,7 @@ func (er *EventReader) LastEventID() string { return er.lastID }
 
 func (er *EventReader) fill() {
 	if er.r > 0 && er.r == er.w {
-		er.r, er.w = 0, 0
+		er.r, er.w, er.nl = 0, 0, 0
 		if er.filled && len(er.buf) < maxReadBuf {
 			er.buf = make([]byte, 2*len(er.buf))
 		}
@@ -335,7 +340,7 @@ func (er *EventReader) joinRaw() {
 		putRawBlock(b)
 	}
 	putRawBlock(tail)
-	clear(er.head)
+	clear(er.head[:cap(er.head)]) // the join may have put tail past len
 	er.head, er.headLen = er.head[:0], 0
 }
 
@@ -384,7 +389,6 @@ func (er *EventReader) appendRawRange(dst []byte, from, to int) []byte {
 // not kept (SkipEvent).
 func (er *EventReader) consume(b []byte, base int) (int, bool) {
 	i := 0
-	nl := -1 // the first "\n" at or after i, or len(b)
 	for i < len(b) {
 		if er.afterCR {
 			er.afterCR = false
@@ -407,7 +411,7 @@ func (er *EventReader) consume(b []byte, base int) (int, bool) {
 			}
 			continue
 		}
-		j := er.lineEnd(b, i, &nl) - i
+		j := er.lineEnd(b, i) - i
 		pos := -1
 		if base >= 0 {
 			pos = base + i
@@ -418,24 +422,30 @@ func (er *EventReader) consume(b []byte, base int) (int, bool) {
 	return i, false
 }
 
-// lineEnd is where the line content at b[i] ends: the next "\r" or
-// "\n", or len(b). It looks for each with bytes.IndexByte, not for both
-// a byte at a time (bytes.IndexAny), which cost a 1 MiB data line more
-// than reading it; *nl keeps the "\n" found until i passes it, so that a
-// stream of many bare "\r" line ends is still scanned once.
-func (er *EventReader) lineEnd(b []byte, i int, nl *int) int {
-	if *nl < i {
-		*nl = bytes.IndexByte(b[i:], '\n')
-		if *nl < 0 {
-			*nl = len(b)
+// lineEnd is where the line content at b[i] ends, or at least a piece
+// of it: the next "\r" or "\n" in b, or len(b). b is er.buf from er.r
+// on, and b[i] is neither. It looks for each with bytes.IndexByte, not
+// for both a byte at a time (bytes.IndexAny), which cost a 1 MiB data
+// line more than reading it. The "\n" found is kept in er.nl, as an
+// index of er.buf, until the scan passes it, across lines and events, so
+// that a stream of many bare "\r" line ends is still scanned once.
+func (er *EventReader) lineEnd(b []byte, i int) int {
+	at := er.r + i
+	// er.nl is the first "\n" at or after where it was looked for, or
+	// where that look ended (none before it); b[i] is no "\n", so one at
+	// or before at is behind.
+	if er.nl <= at {
+		if k := bytes.IndexByte(b[i:], '\n'); k >= 0 {
+			er.nl = at + k
 		} else {
-			*nl += i
+			er.nl = er.r + len(b)
 		}
 	}
-	if k := bytes.IndexByte(b[i:*nl], '\r'); k >= 0 {
+	end := min(er.nl-er.r, len(b))
+	if k := bytes.IndexByte(b[i:end], '\r'); k >= 0 {
 		return i + k
 	}
-	return *nl
+	return end
 }
 
 // content takes a run of a line's bytes, without line endings, found at
@@ -574,7 +584,7 @@ func (er *EventReader) reset() {
 			putRawBlock(b)
 		}
 		putRawBlock(er.ev.Raw)
-		clear(er.head)
+		clear(er.head[:cap(er.head)])
 		er.head, er.headLen = er.head[:0], 0
 	}
 	er.ev = Event{}

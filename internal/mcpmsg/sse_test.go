@@ -364,6 +364,27 @@ func TestLargeEventsInBlocks(t *testing.T) {
 		t.Errorf("what Stream sent and the rest of each Raw are not the stream (%d bytes, want %d)", len(relayed), stream.Len())
 	}
 
+	// An event over a limit larger than a block: what Next returns of it
+	// and what SkipEvent reads of the rest are the event, exactly.
+	over := "data: " + strings.Repeat("o", 5*rawBlock) + "\ndata: end\n\n"
+	for _, limit := range []int{rawBlock + 1, 3 * rawBlock} {
+		got, raw, err := readAll(&chunked{b: []byte(over + "data: after\n\n"), seed: 5}, limit)
+		if err != nil || string(raw) != over+"data: after\n\n" {
+			t.Fatalf("limit %d: %v, %d bytes relayed", limit, err, len(raw))
+		}
+		if len(got) != 2 || got[0].Data != strings.Repeat("o", 5*rawBlock)+"\nend" || got[1].Data != "after" {
+			t.Errorf("limit %d: the oversized event and the one after it are not read as sent", limit)
+		}
+	}
+	// A stream cut after more than a block: the event so far, whole, with
+	// the reader's error.
+	boom := errors.New("connection reset")
+	cut := "data: " + strings.Repeat("c", 2*rawBlock+3)
+	ev, err := NewEventReader(io.MultiReader(&chunked{b: []byte(cut), seed: 9}, iotest.ErrReader(boom)), 4<<20).Next()
+	if !errors.Is(err, boom) || string(ev.Raw) != cut {
+		t.Errorf("a torn large event: %d bytes, %v; want its %d bytes and the reader's error", len(ev.Raw), err, len(cut))
+	}
+
 	big := "event: message\ndata: " + strings.Repeat("z", 1<<20) + "\n\n"
 	read := func() uint64 {
 		er := NewEventReader(bytes.NewReader([]byte(big)), 4<<20)
@@ -381,5 +402,33 @@ func TestLargeEventsInBlocks(t *testing.T) {
 	t.Logf("reading a 1 MiB event allocated %d bytes", alloc)
 	if alloc > uint64(len(big))*2 {
 		t.Errorf("reading a 1 MiB event allocated %d bytes, want under twice its size", alloc)
+	}
+}
+
+// BenchmarkEventReaderLineEnds: 4 MiB of small events with each line
+// ending, and one 1 MiB data line; MB/s should be about alike for the
+// three line endings (a bare "\r" once cost a scan ahead per event).
+func BenchmarkEventReaderLineEnds(b *testing.B) {
+	for name, stream := range map[string]string{
+		"lf":         strings.Repeat("data:x\n\n", 1<<19),
+		"crlf":       strings.Repeat("data:x\r\n\r\n", 1<<18),
+		"cr":         strings.Repeat("data:x\r\r", 1<<19),
+		"comment-cr": strings.Repeat(":\r\r", 1<<20),
+		"1MiB-line":  "data: " + strings.Repeat("y", 1<<20) + "\n\n",
+	} {
+		b.Run(name, func(b *testing.B) {
+			b.SetBytes(int64(len(stream)))
+			for b.Loop() {
+				er := NewEventReader(strings.NewReader(stream), 2<<20)
+				for {
+					if _, err := er.Next(); err != nil {
+						if !errors.Is(err, io.EOF) {
+							b.Fatal(err)
+						}
+						break
+					}
+				}
+			}
+		})
 	}
 }
