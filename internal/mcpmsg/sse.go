@@ -70,6 +70,7 @@ type EventReader struct {
 	inValue   bool   // past the colon
 	spaceDone bool   // the first byte of the value was checked for the one space to drop
 	value     []byte // the value of a field other than data, up to maxFieldValue bytes
+	valueNUL  bool   // the value has a NUL past what value keeps
 	comment   bool   // the line starts with a colon
 
 	// The event being read.
@@ -502,7 +503,14 @@ func (er *EventReader) content(b []byte, pos int) {
 		return
 	}
 	if room := maxFieldValue - len(er.value); room > 0 {
-		er.value = append(er.value, b[:min(len(b), room)]...)
+		keep := min(len(b), room)
+		er.value = append(er.value, b[:keep]...)
+		b = b[keep:]
+	}
+	// What is cut off still counts for an id's NUL, which makes the
+	// specification ignore the field.
+	if len(b) > 0 && !er.valueNUL && bytes.IndexByte(b, 0) >= 0 {
+		er.valueNUL = true
 	}
 }
 
@@ -561,13 +569,13 @@ func (er *EventReader) endLine() {
 			er.ev.Name = string(er.value)
 		case "id":
 			er.hold()
-			if bytes.IndexByte(er.value, 0) < 0 {
+			if !er.valueNUL && bytes.IndexByte(er.value, 0) < 0 {
 				er.ev.ID, er.ev.HasID = string(er.value), true
 				er.lastID = er.ev.ID
 			}
 		}
 	}
-	er.inLine, er.inValue, er.spaceDone, er.comment, er.nameLong = false, false, false, false, false
+	er.inLine, er.inValue, er.spaceDone, er.comment, er.nameLong, er.valueNUL = false, false, false, false, false, false
 	er.name, er.value = er.name[:0], er.value[:0]
 }
 

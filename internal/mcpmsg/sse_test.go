@@ -73,6 +73,8 @@ func TestEventReaderSpec(t *testing.T) {
 		{"retry and unknown fields", "retry: 1000\nfoo: bar\ndata:x\n\n", []parsed{{Data: "x", HasData: true}}},
 		{"one space dropped", "data:  two\ndata\ndata:\n\n", []parsed{{Data: " two\n\n", HasData: true}}},
 		{"id with NUL ignored", "id: 7\nid: a\x00b\ndata: x\n\n", []parsed{{Data: "x", HasData: true, ID: "7", HasID: true}}},
+		{"id with NUL past the kept 4 KiB ignored", "id: 7\nid: " + strings.Repeat("a", maxFieldValue) + "\x00\ndata: x\n\n", []parsed{{Data: "x", HasData: true, ID: "7", HasID: true}}},
+		{"long id cut at 4 KiB", "id: " + strings.Repeat("b", maxFieldValue+5) + "\ndata: x\n\n", []parsed{{Data: "x", HasData: true, ID: strings.Repeat("b", maxFieldValue), HasID: true}}},
 		{"priming event", "id: 42\ndata:\n\n", []parsed{{HasData: true, ID: "42", HasID: true}}},
 		{"field without colon", "event\ndata\n\n", []parsed{{HasData: true}}},
 	} {
