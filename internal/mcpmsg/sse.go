@@ -322,8 +322,13 @@ func (er *EventReader) addRaw(b []byte) {
 		n := cap(raw) - len(raw)
 		raw = append(raw, b[:n]...)
 		b = b[n:]
-		er.head = append(er.head, raw)
-		er.headLen += len(raw)
+		// No block is empty, so that every rawPiece is not (a chunk
+		// larger than a block, into an event with no Raw yet, would push
+		// one).
+		if len(raw) > 0 {
+			er.head = append(er.head, raw)
+			er.headLen += len(raw)
+		}
 		raw = rawBlocks.Get().(*[rawBlock]byte)[:0]
 	}
 	er.ev.Raw = append(raw, b...)
