@@ -372,11 +372,11 @@ func (er *EventReader) rawPiece(from, to int) []byte {
 			}
 		}
 	}
-	if in := er.rawLen(); from < in {
+	in := er.rawLen()
+	if from < in {
 		return er.ev.Raw[from-er.headLen : min(to, in)-er.headLen]
-	} else {
-		return er.chunk[from-in : to-in]
 	}
+	return er.chunk[from-in : to-in]
 }
 
 // appendRawRange appends Raw[from:to] to dst. While Next parses a chunk,
