@@ -342,11 +342,17 @@ func (er *EventReader) joinRaw() {
 	}
 	tail := er.ev.Raw
 	er.ev.Raw = bytes.Join(append(er.head, tail), nil)
+	er.dropBlocks(tail)
+}
+
+// dropBlocks gives the event's blocks and tail, the ev.Raw that followed
+// them, back; nothing uses them any more.
+func (er *EventReader) dropBlocks(tail []byte) {
 	for _, b := range er.head {
 		putRawBlock(b)
 	}
 	putRawBlock(tail)
-	clear(er.head[:cap(er.head)]) // the join may have put tail past len
+	clear(er.head[:cap(er.head)]) // a join may have put tail past len
 	er.head, er.headLen = er.head[:0], 0
 }
 
@@ -593,12 +599,7 @@ func (er *EventReader) take() Event {
 
 func (er *EventReader) reset() {
 	if len(er.head) > 0 { // an event never returned: give its blocks back
-		for _, b := range er.head {
-			putRawBlock(b)
-		}
-		putRawBlock(er.ev.Raw)
-		clear(er.head[:cap(er.head)])
-		er.head, er.headLen = er.head[:0], 0
+		er.dropBlocks(er.ev.Raw)
 	}
 	er.ev = Event{}
 	er.nonBlank = false
