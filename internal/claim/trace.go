@@ -163,15 +163,16 @@ func parseTrailer(stored []byte) ([]byte, trace.SpanContext, bool) {
 }
 
 // storeOp runs one store round trip, as a child span of the call's span
-// when that one is sampled (and with no cost when it is not). The call's
-// span may have ended (its client left, and the call settles detached):
-// its store spans are still its children.
+// when that one is sampled and its call asks for store spans
+// (tracing.StoreSpans), and with no cost otherwise. The call's span may
+// have ended (its client left, and the call settles detached): its store
+// spans are still its children.
 func storeOp(ctx context.Context, op string, fn func(context.Context) error) error {
 	if !tracing.Built {
 		return fn(ctx)
 	}
 	parent := trace.SpanFromContext(ctx)
-	if !parent.SpanContext().IsSampled() {
+	if !parent.SpanContext().IsSampled() || !tracing.StoreSpans(ctx) {
 		return fn(ctx)
 	}
 	s := storeSpanOf(op)

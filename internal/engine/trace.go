@@ -101,7 +101,14 @@ type CallSpan struct {
 	policy, policyHash, rule, reason, scope string
 	// The key's kind and short hash ("" until keyed).
 	keyKind, keyHash string
+	// storeSpans: the store's round trips get child spans (the
+	// policy's spec.tracing.storeSpans, when the call started).
+	storeSpans bool
 }
+
+// StoreSpans reports whether the call's store round trips get child
+// spans (tracing.Call).
+func (s *CallSpan) StoreSpans() bool { return s.storeSpans }
 
 // callAttrs is the most attributes a call's span gets: 7 known at its
 // start, 5 of the plan, 2 of the key, outcome, forwarded, took-over and
@@ -112,8 +119,6 @@ const callAttrs = 7 + 5 + 2 + 3 + 2
 // which copies them: a traced call allocates none of its own.
 var callAttrPool = sync.Pool{New: func() any { return new([callAttrs]attribute.KeyValue) }}
 
-type callSpanKey struct{}
-
 // StartCall starts the span of a tools/call under the policy in force:
 // the returned context carries it to Plan and Execute, and the transport
 // ends it with End once the client is answered. A call that is not
@@ -122,7 +127,8 @@ func (e *Engine) StartCall(ctx context.Context, ci CallInfo) (context.Context, *
 	if !tracing.Built {
 		return ctx, nil
 	}
-	t := e.tracer(e.policy.Load())
+	p := e.policy.Load()
+	t := e.tracer(p)
 	if t == nil {
 		return ctx, nil
 	}
@@ -146,14 +152,15 @@ func (e *Engine) StartCall(ctx context.Context, ci CallInfo) (context.Context, *
 		// forwarded as it came either way.
 		return spanCtx, nil
 	}
-	cs := &CallSpan{span: span, sdk: tracing.CopiesAttributes(span), tool: ci.Tool, session: ci.Session, protocol: ci.ProtocolVersion, transport: ci.Transport}
+	cs := &CallSpan{span: span, sdk: tracing.CopiesAttributes(span), tool: ci.Tool, session: ci.Session, protocol: ci.ProtocolVersion, transport: ci.Transport,
+		storeSpans: p.Spec.Tracing != nil && p.Spec.Tracing.StoreSpans}
 	if len(ci.RequestID) > 0 {
 		cs.requestID, cs.hasRequestID = requestID(ci.RequestID), true
 	}
 	// The attributes go to the span at End, in one SetAttributes: given
 	// at its start too, the SDK would copy them twice. No sampler of ours
 	// or of the OTEL_TRACES_SAMPLER choices reads them.
-	return context.WithValue(spanCtx, callSpanKey{}, cs), cs
+	return tracing.WithCall(spanCtx, cs), cs
 }
 
 var serverKind = trace.WithSpanKind(trace.SpanKindServer)
@@ -175,7 +182,7 @@ func callSpanOf(ctx context.Context) *CallSpan {
 	if !tracing.Built || ctx == nil {
 		return nil
 	}
-	cs, _ := ctx.Value(callSpanKey{}).(*CallSpan)
+	cs, _ := tracing.CallOf(ctx).(*CallSpan)
 	return cs
 }
 

@@ -306,17 +306,18 @@ func (s *keepingSDKSpan) SetAttributes(kv ...attribute.KeyValue) {
 	s.ReadWriteSpan.SetAttributes(kv...)
 }
 
-// A call's store round trips are child spans of its span, each within
-// the call and in the order they were made, with the operation and, for
-// one that failed, an error status and its type; the round trips of a
-// call whose span has already ended (it settles after its client left)
-// still get their spans, under it.
+// Under spec.tracing.storeSpans, a call's store round trips are child
+// spans of its span, each within the call and in the order they were
+// made, with the operation and, for one that failed, an error status and
+// its type; the round trips of a call whose span has already ended (it
+// settles after its client left) still get their spans, under it. A
+// policy pushed without storeSpans makes none from its next call on.
 func TestStoreSpans(t *testing.T) {
 	rec := tracetest.NewSpanRecorder()
 	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
 	fs := &flakyStore{Memory: store.NewMemory(0)}
 	t.Cleanup(func() { _ = fs.Close() })
-	e := New(Options{Policy: mustPolicy(t, `spec: {keyScope: Global, tools: [{name: charge, mode: Deduplicate}]}`), Store: fs,
+	e := New(Options{Policy: mustPolicy(t, `spec: {keyScope: Global, tracing: {storeSpans: true}, tools: [{name: charge, mode: Deduplicate}]}`), Store: fs,
 		Tracing: Tracing{Provider: func() trace.TracerProvider { return tp }, On: true}})
 	ok := func(context.Context) (Upstream, error) {
 		return Upstream{Response: []byte(`{"jsonrpc":"2.0","id":1,"result":{}}`)}, nil
@@ -411,5 +412,29 @@ func TestStoreSpans(t *testing.T) {
 	}
 	if want := []string{"idemcp.store reserve", "idemcp.store complete"}; !slices.Equal(second, want) {
 		t.Errorf("after its span ended, the call's round trips made %v, want %v", second, want)
+	}
+
+	// The same policy without storeSpans, pushed live: the call's span
+	// says how it was answered, and it has no children.
+	e.SetPolicy(mustPolicy(t, `spec: {keyScope: Global, tools: [{name: charge, mode: Deduplicate}]}`))
+	ctx, span = e.StartCall(context.Background(), CallInfo{Tool: "refund"})
+	p, err = e.PlanCall(ctx, &ToolCall{Name: "refund", Arguments: json.RawMessage(`{"n":3}`)}, Caller{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if out, err := e.Execute(ctx, p, ok); err != nil || out.Kind != Executed {
+		t.Fatal(out, err)
+	}
+	if err := e.Drain(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	span.End()
+	if got := storeSpans("refund"); len(got) != 0 {
+		t.Errorf("without storeSpans, the call's store spans: %v, want none", got)
+	}
+	for _, s := range rec.Ended() {
+		if s.Name() == "tools/call refund" && !slices.Contains(s.Attributes(), tracing.Outcome.String(tracing.OutcomeExecuted)) {
+			t.Errorf("without storeSpans, the call's span has %v, want %s executed", s.Attributes(), tracing.Outcome)
+		}
 	}
 }

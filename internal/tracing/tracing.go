@@ -268,3 +268,32 @@ var sdkSpanType = sync.OnceValue(func() reflect.Type {
 	_ = tp.Shutdown(context.Background())
 	return reflect.TypeOf(span)
 })
+
+// A Call is what a traced call's context carries (WithCall) for the
+// spans made under it: the engine's record of a tools/call span.
+type Call interface {
+	// StoreSpans reports whether the call's store round trips get
+	// child spans.
+	StoreSpans() bool
+}
+
+type callKey struct{}
+
+// WithCall returns ctx carrying c.
+func WithCall(ctx context.Context, c Call) context.Context {
+	return context.WithValue(ctx, callKey{}, c)
+}
+
+// CallOf is the Call ctx carries (nil if none).
+func CallOf(ctx context.Context) Call {
+	c, _ := ctx.Value(callKey{}).(Call)
+	return c
+}
+
+// StoreSpans reports whether a store round trip under ctx, whose span is
+// sampled, gets a child span: unless ctx carries a Call that says not.
+// The Go library's Do carries none, and always makes them.
+func StoreSpans(ctx context.Context) bool {
+	c := CallOf(ctx)
+	return c == nil || c.StoreSpans()
+}

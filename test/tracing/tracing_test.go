@@ -142,8 +142,9 @@ spec:
 	env := []string{"OTEL_EXPORTER_OTLP_ENDPOINT=" + endpoint, "OTEL_BSP_SCHEDULE_DELAY=100", "OTEL_TRACES_SAMPLER=always_on"}
 	bin := procs.Binary(t)
 	common := []string{"--upstream", upstream, "--redis-key-prefix", "idemcp:trace:"}
-	// One sidecar traces by its policy, the other by its install's flag.
-	a := procs.StartSidecar(t, bin, env, append(common, "--policy-file", policy("a.yaml", "  tracing: {enabled: true}\n"))...)
+	// One sidecar traces by its policy, with store spans, the other by
+	// its install's flag, without.
+	a := procs.StartSidecar(t, bin, env, append(common, "--policy-file", policy("a.yaml", "  tracing: {enabled: true, storeSpans: true}\n"))...)
 	b := procs.StartSidecar(t, bin, env, append(common, "--policy-file", policy("b.yaml", ""), "--tracing")...)
 
 	const (
@@ -251,7 +252,13 @@ spec:
 	if want := "00-" + executed.TraceID + "-" + executed.SpanID + "-01"; execution != want {
 		t.Errorf("result._meta[idemcp.io/execution] = %q, want %q", execution, want)
 	}
-	// The store's round trips are children of the call's span.
+	// The store's round trips are children of the call's span, under
+	// storeSpans, and only then.
+	for _, s := range all {
+		if strings.HasPrefix(s.Name, "idemcp.store ") && s.TraceID == replay.TraceID {
+			t.Errorf("the replay, whose policy has no storeSpans, has a store span %s %v", s.Name, s.Attributes)
+		}
+	}
 	if storeSpans < 2 { // reserve and complete
 		for _, s := range all {
 			t.Logf("%s %s %s parent %s %v", s.Service, s.Name, s.SpanID, s.ParentSpanID, s.Attributes)
