@@ -140,6 +140,13 @@ func (e *procEnv) goals(conc string) []goalRow {
 				short: "traced p50 /untraced @" + mode, p: perRound(traced, off, mode, statRatio(p50us)), limit: 1.10, kind: below, spread: true})
 		}
 	}
+	// What store spans (spec.tracing.storeSpans, off by default) add.
+	if spans, off := e.row("exec redis store spans"), e.row("exec redis"); spans != nil && off != nil {
+		for _, mode := range []string{"1", conc} {
+			add(goalRow{goal: "(aim) tracing on with store spans: CPU per executed call < 1.10x off", figure: "CPU per call, executed redis traced with store spans / untraced, " + mode + " client(s)",
+				short: "store spans CPU /untraced @" + mode, p: cpuRatio(spans, off, mode), limit: 1.10, kind: below, spread: true})
+		}
+	}
 	if off, none := e.row("exec redis"), e.row("exec redis notracing"); off != nil && none != nil {
 		for _, mode := range []string{"1", conc} {
 			add(goalRow{goal: "tracing off costs nothing measurable", figure: "CPU per call, executed redis, tracing off / built without tracing code, " + mode + " client(s)",

@@ -186,8 +186,9 @@ type procEnv struct {
 	// that of the store, not of the passthrough path it is compared on.
 	plainLarge, sideLarge *proc
 	// sideTraced is sideRedis with tracing on; traceEnv, the environment
-	// start gives the process being started.
-	sideTraced *proc
+	// start gives the process being started. sideStoreSpans is sideTraced
+	// under a policy with spec.tracing.storeSpans.
+	sideTraced, sideStoreSpans *proc
 	// sideUnsampled is sideTraced sampling nothing (always_off): what a
 	// call the sampler drops costs over tracing off.
 	sideUnsampled *proc
@@ -280,8 +281,14 @@ func (e *procEnv) sidecar(name, upstream string, extra ...string) (*proc, error)
 }
 
 func (e *procEnv) sidecarOf(bin, name, upstream string, extra ...string) (*proc, error) {
+	return e.sidecarWith(bin, "policy.yaml", name, upstream, extra...)
+}
+
+// sidecarWith starts a sidecar of bin under the policy file policy (in
+// e.tmp).
+func (e *procEnv) sidecarWith(bin, policy, name, upstream string, extra ...string) (*proc, error) {
 	return e.start(name, bin, func(a string) []string {
-		return append([]string{"sidecar", "--listen", a, "--upstream", upstream, "--policy-file", filepath.Join(e.tmp, "policy.yaml"),
+		return append([]string{"sidecar", "--listen", a, "--upstream", upstream, "--policy-file", filepath.Join(e.tmp, policy),
 			"--admin-listen", "", "--log-level", "error"}, extra...)
 	})
 }
@@ -485,6 +492,9 @@ func procSection(w *bytes.Buffer, c config) error {
 	if err := os.WriteFile(filepath.Join(e.tmp, "policy.yaml"), []byte(procPolicyYAML), 0o600); err != nil {
 		return err
 	}
+	if err := os.WriteFile(filepath.Join(e.tmp, "policy-store-spans.yaml"), []byte(procStoreSpansYAML), 0o600); err != nil {
+		return err
+	}
 	if e.server, err = e.start("MCP server", e.bins["httpserver"], func(a string) []string { return []string{"-listen", a} }); err != nil {
 		return err
 	}
@@ -518,6 +528,9 @@ func procSection(w *bytes.Buffer, c config) error {
 	defer sink.Close()
 	e.traceEnv = []string{"OTEL_EXPORTER_OTLP_ENDPOINT=" + sink.URL, "OTEL_TRACES_SAMPLER=always_on"}
 	if e.sideTraced, err = e.sidecar("sidecar (redis, traced)", e.server.url, "--store", "redis", "--redis-addr", e.redisProc.addr, "--tracing"); err != nil {
+		return err
+	}
+	if e.sideStoreSpans, err = e.sidecarWith(e.bins["proxy"], "policy-store-spans.yaml", "sidecar (redis, traced, store spans)", e.server.url, "--store", "redis", "--redis-addr", e.redisProc.addr, "--tracing"); err != nil {
 		return err
 	}
 	e.traceEnv = []string{"OTEL_EXPORTER_OTLP_ENDPOINT=" + sink.URL, "OTEL_TRACES_SAMPLER=always_off"}
@@ -555,6 +568,7 @@ func procSection(w *bytes.Buffer, c config) error {
 		add("idemcp replayed, "+s.name, "replay "+s.name, s.p, replay, true)
 	}
 	add("idemcp executed (new arguments each call), redis, tracing on (100% sampled)", "exec redis traced", e.sideTraced, exec, true)
+	add("idemcp executed (new arguments each call), redis, tracing on (100% sampled), with store spans", "exec redis store spans", e.sideStoreSpans, exec, true)
 	add("idemcp executed (new arguments each call), redis, tracing on, 0% sampled", "exec redis unsampled", e.sideUnsampled, exec, true)
 	add("idemcp executed (new arguments each call), redis, built without tracing code", "exec redis notracing", e.sideNoTracing, exec, true)
 	for _, l := range []struct {
@@ -670,6 +684,9 @@ func procSection(w *bytes.Buffer, c config) error {
 // procPolicyYAML is policyYAML with room to store a 1 MiB result (its
 // JSON-RPC envelope makes it larger than the default 1Mi).
 const procPolicyYAML = "spec: {maxResultBytes: 4Mi, tools: [{name: refund, mode: Passthrough}]}\n"
+
+// procStoreSpansYAML is procPolicyYAML with spec.tracing.storeSpans.
+const procStoreSpansYAML = "spec: {maxResultBytes: 4Mi, tracing: {storeSpans: true}, tools: [{name: refund, mode: Passthrough}]}\n"
 
 // largeResult is the size of the large result rows' padding: 1 MiB.
 const largeResult = 1 << 20

@@ -74,7 +74,7 @@ func (e *procEnv) report(w *bytes.Buffer, c config, conc, chart string) {
 	fmt.Fprintf(w, "\n## 0. Headline: every part in its own process\n\n")
 	fmt.Fprintf(w, "The load generator (the bench program), the counting MCP server of test/mcpserver (Go SDK, stateless, 2026-07-28),\n")
 	fmt.Fprintf(w, "the plain Go proxy (test/bench/cmd/plainproxy), nginx, redis-server and the `idemcp-proxy sidecar` processes (memory\n")
-	fmt.Fprintf(w, "store; Redis store; Redis store traced at 100%% and at 0%% sampling; Redis store built without tracing code, with\n")
+	fmt.Fprintf(w, "store; Redis store; Redis store traced at 100%% sampling, without and with store spans, and at 0%%; Redis store built without tracing code, with\n")
 	fmt.Fprintf(w, "the `notracing` build tag) each run in a process of their own. A proxy's CPU is its threads' time on a CPU over the batch\n")
 	fmt.Fprintf(w, "(/proc/PID/task/*/schedstat, nanoseconds); peak RSS is its VmHWM at the end of the run. %d rounds; in each, every row runs %d calls\n", e.rounds, c.seqN)
 	fmt.Fprintf(w, "from 1 client and %d calls from %d clients, the rows in rotated order. Every figure is the median over the\n", c.procConcN, c.procClients)
