@@ -160,9 +160,15 @@ func (l *Lazy) Shutdown(ctx context.Context) error {
 // calls' keys apart and to correlate a retry with its execution, and
 // nothing to learn the key from.
 func KeyHash(storeKey string) string {
-	h := sha256.Sum256([]byte("idemcp trace key\x00" + storeKey))
+	// Hashed from a buffer on the stack: a store key is 64 hex digits
+	// (one of any length still hashes the same, from the heap).
+	var buf [128]byte
+	in := append(append(buf[:0], keyHashPrefix...), storeKey...)
+	h := sha256.Sum256(in)
 	return hex.EncodeToString(h[:6])
 }
+
+const keyHashPrefix = "idemcp trace key\x00"
 
 // Traceparent is the W3C traceparent of sc ("" if sc is not valid).
 func Traceparent(sc trace.SpanContext) string {
