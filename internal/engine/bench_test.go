@@ -132,12 +132,22 @@ func benchReplay(b *testing.B, e *Engine) {
 	}
 }
 
-// BenchmarkExecutedTraced: BenchmarkExecuted with the call's span and its
-// store spans sampled, exported over OTLP/HTTP (protobuf) to a loopback
-// endpoint that drops them, as the sidecar exports them. Run with -cpu 1
-// so that the exporter's background work is in ns/op; the difference to
+// BenchmarkExecutedTraced: BenchmarkExecuted with the call's span
+// sampled, exported over OTLP/HTTP (protobuf) to a loopback endpoint that
+// drops them, as the sidecar exports them. Run with -cpu 1 so that the
+// exporter's background work is in ns/op; the difference to
 // BenchmarkExecutedUntraced is what tracing costs a call.
-func BenchmarkExecutedTraced(b *testing.B) {
+func BenchmarkExecutedTraced(b *testing.B) { benchTracedTo(b, benchPolicy) }
+
+// BenchmarkExecutedTracedStoreSpans: BenchmarkExecutedTraced under
+// spec.tracing.storeSpans, the call's two store round trips spans too.
+func BenchmarkExecutedTracedStoreSpans(b *testing.B) {
+	benchTracedTo(b, `spec: {tracing: {storeSpans: true}, tools: [{name: charge_*, ignoreArguments: [/requestedAt]}]}`)
+}
+
+// benchTracedTo runs benchTraced under policyYAML, exporting as the
+// sidecar does.
+func benchTracedTo(b *testing.B, policyYAML string) {
 	sink := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		_, _ = io.Copy(io.Discard, r.Body)
 		w.Header().Set("Content-Type", "application/x-protobuf")
@@ -149,14 +159,17 @@ func BenchmarkExecutedTraced(b *testing.B) {
 	}
 	tp := sdktrace.NewTracerProvider(sdktrace.WithBatcher(exp))
 	b.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
-	benchTraced(b, Tracing{Provider: func() trace.TracerProvider { return tp }, On: true})
+	benchTraced(b, policyYAML, Tracing{Provider: func() trace.TracerProvider { return tp }, On: true})
 }
 
 // BenchmarkExecutedUntraced: BenchmarkExecutedTraced's calls, not traced.
-func BenchmarkExecutedUntraced(b *testing.B) { benchTraced(b, Tracing{}) }
+func BenchmarkExecutedUntraced(b *testing.B) { benchTraced(b, benchPolicy, Tracing{}) }
 
-func benchTraced(b *testing.B, tr Tracing) {
-	e := New(Options{Policy: mustPolicy(b, `spec: {tools: [{name: charge_*, ignoreArguments: [/requestedAt]}]}`), Store: store.NewMemory(1 << 20), Tracing: tr})
+// benchPolicy is the traced benchmarks' policy.
+const benchPolicy = `spec: {tools: [{name: charge_*, ignoreArguments: [/requestedAt]}]}`
+
+func benchTraced(b *testing.B, policyYAML string, tr Tracing) {
+	e := New(Options{Policy: mustPolicy(b, policyYAML), Store: store.NewMemory(1 << 20), Tracing: tr})
 	resp := []byte(typicalResponse)
 	fwd := func(context.Context) (Upstream, error) { return Upstream{Response: resp, Status: 200}, nil }
 	b.ReportAllocs()
@@ -182,7 +195,7 @@ func benchTraced(b *testing.B, tr Tracing) {
 func BenchmarkExecutedTracedNoExport(b *testing.B) {
 	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(dropSpans{}))
 	b.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
-	benchTraced(b, Tracing{Provider: func() trace.TracerProvider { return tp }, On: true})
+	benchTraced(b, benchPolicy, Tracing{Provider: func() trace.TracerProvider { return tp }, On: true})
 }
 
 // dropSpans is a span processor that keeps nothing.
