@@ -537,17 +537,6 @@ func procSection(w *bytes.Buffer, c config) error {
 	if e.sideUnsampled, err = e.sidecar("sidecar (redis, traced, 0% sampled)", e.server.url, "--store", "redis", "--redis-addr", e.redisProc.addr, "--tracing"); err != nil {
 		return err
 	}
-	var abOld, abOldTraced *proc
-	if old := os.Getenv("AB_OLD_PROXY"); old != "" {
-		e.traceEnv = strings.Fields(os.Getenv("AB_ENV_UNTRACED"))
-		if abOld, err = e.sidecarOf(old, "OLD sidecar (redis)", e.server.url, "--store", "redis", "--redis-addr", e.redisProc.addr); err != nil {
-			return err
-		}
-		e.traceEnv = append([]string{"OTEL_EXPORTER_OTLP_ENDPOINT=" + sink.URL, "OTEL_TRACES_SAMPLER=always_on"}, strings.Fields(os.Getenv("AB_ENV_TRACED"))...)
-		if abOldTraced, err = e.sidecarOf(old, "OLD sidecar (redis, traced)", e.server.url, "--store", "redis", "--redis-addr", e.redisProc.addr, "--tracing"); err != nil {
-			return err
-		}
-	}
 	e.traceEnv = nil
 	if e.sideNoTracing, err = e.sidecarOf(e.bins["proxy-notracing"], "sidecar (redis, built without tracing)", e.server.url, "--store", "redis", "--redis-addr", e.redisProc.addr); err != nil {
 		return err
@@ -559,9 +548,6 @@ func procSection(w *bytes.Buffer, c config) error {
 	tgt := func(p *proc) *target { return &target{name: p.name, url: p.url + "/", client: newClient()} }
 	add := func(name, short string, p *proc, sc *scenario, proxy bool) *procRow {
 		r := &procRow{name: name, short: short, t: tgt(p), sc: sc, st: map[string]series{}, cpu: map[string][]float64{}}
-		if ab := os.Getenv("AB_ROWS"); ab != "" && !slices.Contains(strings.Split(ab, ","), short) {
-			return r
-		}
 		if proxy {
 			r.proxy = p
 		}
@@ -585,10 +571,6 @@ func procSection(w *bytes.Buffer, c config) error {
 	add("idemcp executed (new arguments each call), redis, tracing on (100% sampled), with store spans", "exec redis store spans", e.sideStoreSpans, exec, true)
 	add("idemcp executed (new arguments each call), redis, tracing on, 0% sampled", "exec redis unsampled", e.sideUnsampled, exec, true)
 	add("idemcp executed (new arguments each call), redis, built without tracing code", "exec redis notracing", e.sideNoTracing, exec, true)
-	if abOld != nil {
-		add("OLD exec redis", "old exec redis", abOld, exec, true)
-		add("OLD exec redis traced", "old exec redis traced", abOldTraced, exec, true)
-	}
 	for _, l := range []struct {
 		name, short string
 		p           *proc
@@ -658,9 +640,6 @@ func procSection(w *bytes.Buffer, c config) error {
 			}
 		}
 		e.rounds = round + 1
-		if os.Getenv("AB_ROWS") != "" {
-			continue
-		}
 		if e.rounds >= c.procRounds {
 			wide := e.unsettled(c, modes[1].name)
 			if len(wide) == 0 {
@@ -669,21 +648,6 @@ func procSection(w *bytes.Buffer, c config) error {
 			}
 			progress(fmt.Sprintf("processes: after %d rounds, %d headline ratios reach beyond ±%.0f%% of their median, first: %s", e.rounds, len(wide), 100*c.noise, wide[0]))
 		}
-	}
-	if os.Getenv("AB_ROWS") != "" {
-		for _, m := range modes {
-			for _, r := range e.rows {
-				var p50 []float64
-				for _, st := range r.st[m.name] {
-					p50 = append(p50, us(st.p50))
-				}
-				fmt.Printf("AB %-24s @%-2s cpu %v p50 %v\n", r.short, m.name, r.cpu[m.name], p50)
-			}
-		}
-		for i, p := range e.procs {
-			_ = os.WriteFile(fmt.Sprintf("/tmp/ab/log-%d.txt", i), []byte(p.name+"\n"+p.logs.String()), 0o644)
-		}
-		return fmt.Errorf("AB done")
 	}
 	progress("processes: Redis commands, RSS per 1 MiB call in flight, duplicate rate, startup, sessions")
 	if err := e.countRedis(exec, replay, 50); err != nil {
