@@ -420,7 +420,7 @@ func (g *Group) do(ctx context.Context, key, fingerprint string, isJSON bool, fn
 	}
 	ctx, span := tp.Tracer(tracing.ScopeName).Start(ctx, "idempotency.Do", trace.WithAttributes(tracing.KeyHashAttr.String(tracing.KeyHash(skey))))
 	ds := &doSpan{span: span}
-	ctx = context.WithValue(ctx, doSpanKey{}, ds)
+	ctx = tracing.WithCall(ctx, ds)
 	defer func() { ds.end(err) }()
 	var waitUntil <-chan time.Time
 	if g.opts.WaitTimeout > 0 {
@@ -670,10 +670,14 @@ type doSpan struct {
 	linked trace.SpanContext
 }
 
-type doSpanKey struct{}
+// StoreSpans reports that a Do's store round trips get child spans, as
+// they always have (tracing.Call): a Do inside a sidecar's or the
+// middleware's call makes them whatever that call's policy says.
+func (d *doSpan) StoreSpans() bool { return true }
 
+// doSpanOf is the span of the Do whose context ctx is (nil if none).
 func doSpanOf(ctx context.Context) *doSpan {
-	ds, _ := ctx.Value(doSpanKey{}).(*doSpan)
+	ds, _ := tracing.CallOf(ctx).(*doSpan)
 	return ds
 }
 

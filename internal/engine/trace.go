@@ -108,7 +108,7 @@ type CallSpan struct {
 
 // StoreSpans reports whether the call's store round trips get child
 // spans (tracing.Call).
-func (s *CallSpan) StoreSpans() bool { return s.storeSpans }
+func (s *CallSpan) StoreSpans() bool { return s != nil && s.storeSpans }
 
 // callAttrs is the most attributes a call's span gets: 7 known at its
 // start, 5 of the plan, 2 of the key, outcome, forwarded, took-over and

@@ -297,9 +297,11 @@ func CallOf(ctx context.Context) Call {
 }
 
 // StoreSpans reports whether a store round trip under ctx, whose span is
-// sampled, gets a child span: unless ctx carries a Call that says not.
-// The Go library's Do carries none, and always makes them.
+// sampled, gets a child span: only if ctx carries a Call that says so.
+// A sampled span of an embedding application's, under which idemcp
+// traces nothing of its own, gets none; the Go library's Do always says
+// so, even inside a call whose policy does not.
 func StoreSpans(ctx context.Context) bool {
 	c := CallOf(ctx)
-	return c == nil || c.StoreSpans()
+	return c != nil && c.StoreSpans()
 }
