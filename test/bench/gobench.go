@@ -20,12 +20,17 @@ const enginePkg = "github.com/idemcp/idemcp/internal/engine"
 
 // What each engine benchmark (internal/engine/bench_test.go) covers.
 var engineBenchNotes = map[string]string{
-	"BenchmarkKeyDerivation":     "parse a tools/call's params, canonicalize the arguments (RFC 8785), sha256 fingerprint and key",
-	"BenchmarkExecuted":          "a deduplicated call that runs: plan, claim in the memory store, forward (stubbed), store the result",
-	"BenchmarkReplay":            "a retry: plan, find the stored result, splice in the caller's id",
-	"BenchmarkExecutedSealed":    "BenchmarkExecuted with the result sealed (AES-256-GCM, bound to its key) before it is stored",
-	"BenchmarkExecutedFullStore": "BenchmarkExecuted on a memory store at its default bound of 100,000 live records: each call evicts one",
-	"BenchmarkReplaySealed":      "BenchmarkReplay with the stored result opened (AES-256-GCM) before it is replayed",
+	"BenchmarkKeyDerivation":            "parse a tools/call's params, canonicalize the arguments (RFC 8785), sha256 fingerprint and key",
+	"BenchmarkExecuted":                 "a deduplicated call that runs: plan, claim in the memory store, forward (stubbed), store the result",
+	"BenchmarkReplay":                   "a retry: plan, find the stored result, splice in the caller's id",
+	"BenchmarkExecutedSealed":           "BenchmarkExecuted with the result sealed (AES-256-GCM, bound to its key) before it is stored",
+	"BenchmarkExecutedFullStore":        "BenchmarkExecuted on a memory store at its default bound of 100,000 live records: each call evicts one",
+	"BenchmarkReplaySealed":             "BenchmarkReplay with the stored result opened (AES-256-GCM) before it is replayed",
+	"BenchmarkExecutedTraced":           "BenchmarkExecuted under a span sampled at 100%, exported over OTLP/HTTP to a loopback endpoint that drops it",
+	"BenchmarkExecutedTracedStoreSpans": "BenchmarkExecutedTraced under spec.tracing.storeSpans: the store's two round trips get spans too",
+	"BenchmarkExecutedUntraced":         "BenchmarkExecutedTraced's calls with tracing off: the baseline of the two above",
+	"BenchmarkExecutedTracedNoExport":   "BenchmarkExecutedTraced with the spans dropped as they end: making them, without the export",
+	"BenchmarkInFlightChurn":            "register and release calls in flight while many recently ended ones are remembered",
 }
 
 // The arguments of the engine benchmarks' "typical" tools/call
