@@ -14,7 +14,7 @@ func TestEngineBenchNotes(t *testing.T) {
 	if err != nil || len(files) == 0 {
 		t.Fatalf("no engine test files: %v", err)
 	}
-	bench := regexp.MustCompile(`(?m)^func (Benchmark\w+)\(b \*testing\.B\)`)
+	bench := regexp.MustCompile(`(?m)^func (Benchmark\w+)\(\w+ \*testing\.B\)`)
 	found := 0
 	for _, f := range files {
 		src, err := os.ReadFile(f)
