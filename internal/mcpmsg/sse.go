@@ -48,6 +48,9 @@ var ErrEventTooLarge = errors.New("server-sent event over the size limit")
 type EventReader struct {
 	src io.Reader
 	buf []byte
+	// first is the read buffer the reader started with, from readBufs,
+	// which Release gives back (nil once given back).
+	first *[minReadBuf]byte
 	// chunk is the part of buf Next is parsing, which stands for Raw from
 	// len(Raw) on until Next appends what the event used.
 	chunk []byte
@@ -143,9 +146,28 @@ const (
 	maxReadBuf = 32 << 10
 )
 
-// NewEventReader reads events of at most maxSize bytes from r.
+// NewEventReader reads events of at most maxSize bytes from r. Release
+// it when done, so that the next reader reuses its buffer.
 func NewEventReader(r io.Reader, maxSize int) *EventReader {
-	return &EventReader{src: r, buf: make([]byte, minReadBuf), max: maxSize}
+	first := readBufs.Get().(*[minReadBuf]byte)
+	return &EventReader{src: r, buf: first[:], first: first, max: maxSize}
+}
+
+// readBufs holds the readers' first read buffers: a sidecar makes a
+// reader for every response, most of which never need a larger one.
+var readBufs = sync.Pool{New: func() any { return new([minReadBuf]byte) }}
+
+// Release gives the reader's first buffer back for another reader. The
+// reader must not be used after. What it returned stays valid: no Event
+// shares the read buffer (Raw and Data are copies), and a Stream writer
+// keeps none of what it is given.
+func (er *EventReader) Release() {
+	if er.first == nil {
+		return
+	}
+	first := er.first
+	er.first, er.buf, er.r, er.w, er.nl = nil, nil, 0, 0, 0
+	readBufs.Put(first)
 }
 
 // Next returns the next event. At the end of the stream it returns

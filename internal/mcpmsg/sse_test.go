@@ -434,3 +434,65 @@ func BenchmarkEventReaderLineEnds(b *testing.B) {
 		})
 	}
 }
+
+// A released reader's buffer goes to the next reader; what the first one
+// returned, and a Stream writer's copy of what it was given, are kept
+// whole while the next reader reads into that buffer. And a reader of a
+// small response, released, costs less than its 4 KiB read buffer.
+func TestEventReaderRelease(t *testing.T) {
+	const first = "id: 1\ndata: {\"jsonrpc\":\"2.0\",\"id\":1,\"result\":{\"a\":1}}\n\n: a comment\nevent: x\ndata: tail\n\n"
+	er := NewEventReader(strings.NewReader(first), 1<<20)
+	var events []Event
+	for {
+		ev, err := er.Next()
+		if errors.Is(err, io.EOF) {
+			break
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		events = append(events, ev)
+	}
+	rest, _ := io.ReadAll(er.Rest())
+	er.Release()
+	er.Release() // twice is once
+	for range 4 {
+		next := NewEventReader(strings.NewReader(strings.Repeat("data: ZZZZZZZZ\n\n", 300)), 1<<20)
+		for {
+			if _, err := next.Next(); err != nil {
+				break
+			}
+		}
+		next.Release()
+	}
+	if len(events) != 2 || string(events[0].Raw) != "id: 1\ndata: {\"jsonrpc\":\"2.0\",\"id\":1,\"result\":{\"a\":1}}\n\n" ||
+		string(events[0].Data) != `{"jsonrpc":"2.0","id":1,"result":{"a":1}}` || events[0].ID != "1" ||
+		string(events[1].Raw) != ": a comment\nevent: x\ndata: tail\n\n" || string(events[1].Data) != "tail" || events[1].Name != "x" || len(rest) != 0 {
+		t.Errorf("after the buffer was reused: events %+v, rest %q", events, rest)
+	}
+	if _, err := er.Next(); err == nil {
+		t.Error("a released reader read on")
+	}
+
+	small := "data: " + strings.Repeat("x", 200) + "\n\n"
+	read := func() {
+		er := NewEventReader(strings.NewReader(small), 1<<20)
+		for {
+			if _, err := er.Next(); err != nil {
+				break
+			}
+		}
+		er.Release()
+	}
+	read()
+	const n = 2000
+	var before, after runtime.MemStats
+	runtime.ReadMemStats(&before)
+	for range n {
+		read()
+	}
+	runtime.ReadMemStats(&after)
+	if got := (after.TotalAlloc - before.TotalAlloc) / n; got >= minReadBuf {
+		t.Errorf("reading a %d-byte event and releasing the reader allocates %d bytes, want less than the %d-byte read buffer", len(small), got, minReadBuf)
+	}
+}

@@ -232,6 +232,7 @@ func (p *Proxy) relaySSE(in *http.Request, resp *http.Response, rb *readTracker,
 	}
 	s.header(resp.StatusCode, h)
 	er := mcpmsg.NewEventReader(events, int(p.opts.MaxResponseBytes))
+	defer er.Release()
 	// A large event (a large result) is relayed as it is read, up to an
 	// id line, rather than after its end: the client gets its last byte
 	// about when the sidecar does.

@@ -371,6 +371,7 @@ func (p *Proxy) serveEventStream(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	er := mcpmsg.NewEventReader(body, int(p.opts.MaxResponseBytes))
+	defer er.Release()
 	for {
 		ev, err := er.Next()
 		if err == nil && ev.HasData && strings.TrimSpace(ev.Name) == "endpoint" {

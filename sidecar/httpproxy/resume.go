@@ -322,6 +322,7 @@ func (p *Proxy) serveResumedStream(w http.ResponseWriter, r *http.Request, calls
 		return
 	}
 	er := mcpmsg.NewEventReader(body, int(p.opts.MaxResponseBytes))
+	defer er.Release()
 	var oversized int64
 	for !s.isGone() {
 		ev, err := er.Next()
@@ -453,6 +454,7 @@ func (p *Proxy) resumeUpstream(ctx context.Context, c *pendingCall) (progress bo
 		return false, why, nil
 	}
 	er := mcpmsg.NewEventReader(resp.Body, int(p.opts.MaxResponseBytes))
+	defer er.Release()
 	var oversized int64
 	for {
 		ev, err := er.Next()

@@ -222,6 +222,7 @@ func (t *tap) finish() {
 			return
 		}
 		er := mcpmsg.NewEventReader(bytes.NewReader(buf), maxToolsListBytes)
+		defer er.Release()
 		for {
 			ev, err := er.Next()
 			if err == nil && ev.HasData {

@@ -287,6 +287,7 @@ func readResponse(resp *http.Response, id json.RawMessage) ([]byte, error) {
 		return b, nil
 	}
 	er := mcpmsg.NewEventReader(resp.Body, maxListBytes)
+	defer er.Release()
 	for {
 		ev, err := er.Next()
 		if err != nil {

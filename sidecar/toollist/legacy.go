@@ -58,6 +58,7 @@ func (h *HTTP) listLegacy(ctx context.Context, hints *engine.ToolHints) error {
 		return fmt.Errorf("opening a legacy event stream at %s: HTTP %d %s", stream, resp.StatusCode, resp.Header.Get("Content-Type"))
 	}
 	er := mcpmsg.NewEventReader(resp.Body, maxListBytes)
+	defer er.Release()
 	var endpoint target
 	for endpoint.url == "" {
 		ev, err := er.Next()
