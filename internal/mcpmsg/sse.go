@@ -157,18 +157,23 @@ func NewEventReader(r io.Reader, maxSize int) *EventReader {
 // reader for every response, most of which never need a larger one.
 var readBufs = sync.Pool{New: func() any { return new([minReadBuf]byte) }}
 
-// Release gives the reader's first buffer back for another reader. The
-// reader must not be used after. What it returned stays valid: no Event
-// shares the read buffer (Raw and Data are copies), and a Stream writer
-// keeps none of what it is given.
+// Release gives the reader's first buffer back for another reader. What
+// the reader returned stays valid: no Event shares the read buffer (Raw
+// and Data are copies, and a Stream writer is given only Raw's bytes),
+// Rest's reader holds a copy of what was buffered, and SkipEvent's
+// writers keep none of what they are given. A Next or SkipEvent after it
+// returns ErrReleased.
 func (er *EventReader) Release() {
 	if er.first == nil {
 		return
 	}
 	first := er.first
-	er.first, er.buf, er.r, er.w, er.nl = nil, nil, 0, 0, 0
+	er.first, er.buf, er.r, er.w, er.nl, er.err = nil, nil, 0, 0, 0, ErrReleased
 	readBufs.Put(first)
 }
+
+// ErrReleased is what a reader answers once released.
+var ErrReleased = errors.New("mcpmsg: the event reader was released")
 
 // Next returns the next event. At the end of the stream it returns
 // io.EOF; any other error of the underlying reader is returned with what
@@ -219,7 +224,9 @@ func (er *EventReader) Next() (Event, error) {
 // SkipEvent reads the rest of the event Next refused as too large,
 // copying its bytes exactly to raw and the rest of its data (what Data
 // would have held after what Next returned) to data. Either may be nil.
-// The stream's end also ends the event. Next reads on after it.
+// The stream's end also ends the event. Next reads on after it. Neither
+// writer may keep the slices it is given (as io.Writer says): they are
+// the reader's read buffer, which another reader reuses after Release.
 func (er *EventReader) SkipEvent(raw, data io.Writer) (int64, error) {
 	if raw == nil {
 		raw = io.Discard

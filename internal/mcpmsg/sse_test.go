@@ -9,6 +9,7 @@ import (
 	"strings"
 	"testing"
 	"testing/iotest"
+	"time"
 )
 
 // parsed is what a client sees of an event (Raw aside).
@@ -436,26 +437,43 @@ func BenchmarkEventReaderLineEnds(b *testing.B) {
 }
 
 // A released reader's buffer goes to the next reader; what the first one
-// returned, and a Stream writer's copy of what it was given, are kept
-// whole while the next reader reads into that buffer. And a reader of a
-// small response, released, costs less than its 4 KiB read buffer.
+// returned (events, Rest's bytes) and what a Stream writer was given are
+// kept whole while other readers read into that buffer. A released reader
+// answers ErrReleased at once, even on a source that would block. And a
+// reader of a small response, released, costs less than its 4 KiB read
+// buffer.
 func TestEventReaderRelease(t *testing.T) {
-	const first = "id: 1\ndata: {\"jsonrpc\":\"2.0\",\"id\":1,\"result\":{\"a\":1}}\n\n: a comment\nevent: x\ndata: tail\n\n"
-	er := NewEventReader(strings.NewReader(first), 1<<20)
+	const (
+		ev1   = "id: 1\ndata: {\"jsonrpc\":\"2.0\",\"id\":1,\"result\":{\"a\":1}}\n\n"
+		ev2   = ": a comment\nevent: x\ndata: tail\n\n"
+		later = "data: later\n\n"
+	)
+	er := NewEventReader(strings.NewReader(ev1+ev2+later), 1<<20)
 	var events []Event
-	for {
+	for range 2 {
 		ev, err := er.Next()
-		if errors.Is(err, io.EOF) {
-			break
-		}
 		if err != nil {
 			t.Fatal(err)
 		}
 		events = append(events, ev)
 	}
-	rest, _ := io.ReadAll(er.Rest())
+	rest := er.Rest() // holds later, read into the buffer with the rest
 	er.Release()
 	er.Release() // twice is once
+
+	large := "data: " + strings.Repeat("L", 3*streamMin) + "\n\n"
+	streamed := NewEventReader(strings.NewReader(large), 1<<20)
+	var sent []byte
+	streamed.Stream(writerFunc(func(b []byte) (int, error) {
+		sent = append(sent, b...)
+		return len(b), nil
+	}))
+	big, err := streamed.Next()
+	if err != nil || big.Sent == 0 {
+		t.Fatalf("the large event: Sent %d, %v; want some of it streamed", big.Sent, err)
+	}
+	streamed.Release()
+
 	for range 4 {
 		next := NewEventReader(strings.NewReader(strings.Repeat("data: ZZZZZZZZ\n\n", 300)), 1<<20)
 		for {
@@ -465,13 +483,31 @@ func TestEventReaderRelease(t *testing.T) {
 		}
 		next.Release()
 	}
-	if len(events) != 2 || string(events[0].Raw) != "id: 1\ndata: {\"jsonrpc\":\"2.0\",\"id\":1,\"result\":{\"a\":1}}\n\n" ||
-		string(events[0].Data) != `{"jsonrpc":"2.0","id":1,"result":{"a":1}}` || events[0].ID != "1" ||
-		string(events[1].Raw) != ": a comment\nevent: x\ndata: tail\n\n" || string(events[1].Data) != "tail" || events[1].Name != "x" || len(rest) != 0 {
-		t.Errorf("after the buffer was reused: events %+v, rest %q", events, rest)
+	restBytes, _ := io.ReadAll(rest)
+	if string(events[0].Raw) != ev1 || string(events[0].Data) != `{"jsonrpc":"2.0","id":1,"result":{"a":1}}` || events[0].ID != "1" ||
+		string(events[1].Raw) != ev2 || string(events[1].Data) != "tail" || events[1].Name != "x" || string(restBytes) != later {
+		t.Errorf("after the buffer was reused: events %+v, rest %q", events, restBytes)
 	}
-	if _, err := er.Next(); err == nil {
-		t.Error("a released reader read on")
+	if string(big.Raw) != large || string(sent) != large[:big.Sent] {
+		t.Errorf("after the buffer was reused: the large event's Raw is %d bytes, the streamed %d; want both of the event (%d)", len(big.Raw), len(sent), len(large))
+	}
+
+	pr, pw := io.Pipe()
+	defer pw.Close()
+	blocked := NewEventReader(pr, 1<<20)
+	blocked.Release()
+	answered := make(chan error, 1)
+	go func() {
+		_, err := blocked.Next()
+		answered <- err
+	}()
+	select {
+	case err := <-answered:
+		if !errors.Is(err, ErrReleased) {
+			t.Errorf("Next on a released reader: %v, want ErrReleased", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("Next on a released reader waits on its source")
 	}
 
 	small := "data: " + strings.Repeat("x", 200) + "\n\n"
