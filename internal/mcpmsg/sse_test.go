@@ -493,7 +493,7 @@ func TestEventReaderRelease(t *testing.T) {
 	}
 
 	pr, pw := io.Pipe()
-	defer pw.Close()
+	defer func() { _ = pw.Close() }()
 	blocked := NewEventReader(pr, 1<<20)
 	blocked.Release()
 	answered := make(chan error, 1)
