@@ -7,8 +7,6 @@ import (
 	"log/slog"
 	"testing"
 
-	"github.com/modelcontextprotocol/go-sdk/mcp"
-
 	"github.com/idemcp/idemcp/idempotency"
 	"github.com/idemcp/idemcp/idempotency/mcpmiddleware"
 	"github.com/idemcp/idemcp/internal/store/redis/redistest"
@@ -31,31 +29,7 @@ func TestMiddlewareSealedStore(t *testing.T) {
 	key := make([]byte, idempotency.SealKeyBytes)
 	_, _ = rand.Read(key)
 	call := func(st idempotency.Store, text string) string {
-		t.Helper()
-		server := mcp.NewServer(&mcp.Implementation{Name: "payments", Version: "1"}, nil)
-		mcp.AddTool(server, &mcp.Tool{Name: "charge_card"}, func(context.Context, *mcp.CallToolRequest, chargeIn) (*mcp.CallToolResult, any, error) {
-			return &mcp.CallToolResult{Content: []mcp.Content{&mcp.TextContent{Text: text}}}, nil, nil
-		})
-		mw, err := mcpmiddleware.New(mcpmiddleware.Options{Store: st, LocalClient: true})
-		if err != nil {
-			t.Fatal(err)
-		}
-		server.AddReceivingMiddleware(mw.Handler)
-		ctx := context.Background()
-		sst, cst := mcp.NewInMemoryTransports()
-		if _, err := server.Connect(ctx, sst, nil); err != nil {
-			t.Fatal(err)
-		}
-		cs, err := mcp.NewClient(&mcp.Implementation{Name: "agent", Version: "1"}, nil).Connect(ctx, cst, nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer func() { _ = cs.Close() }()
-		res, err := cs.CallTool(ctx, &mcp.CallToolParams{Name: "charge_card", Arguments: map[string]any{"card": "4242", "amount": 5}, Meta: mcp.Meta{"idempotency-key": "order-1"}})
-		if err != nil {
-			t.Fatal(err)
-		}
-		return res.Content[0].(*mcp.TextContent).Text
+		return callThrough(t, mcpmiddleware.Options{Store: st}, nil, func(context.Context) string { return text })
 	}
 	if got := call(open(), "planted"); got != "planted" {
 		t.Fatalf("planting: %q", got)

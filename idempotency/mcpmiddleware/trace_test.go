@@ -13,14 +13,15 @@ import (
 	"github.com/idemcp/idemcp/idempotency/mcpmiddleware"
 )
 
-// callThrough makes one charge_card call through the middleware made of
-// opts (under outer, if not nil), whose handler runs tool.
-func callThrough(t *testing.T, opts mcpmiddleware.Options, outer mcp.Middleware, tool func(ctx context.Context)) {
+// callThrough makes one charge_card call, with the idempotency key
+// order-1, through the middleware made of opts (LocalClient set; under
+// outer, if not nil), to a server whose charge_card answers what tool
+// returns; it returns the text the client got.
+func callThrough(t *testing.T, opts mcpmiddleware.Options, outer mcp.Middleware, tool func(ctx context.Context) string) string {
 	t.Helper()
 	server := mcp.NewServer(&mcp.Implementation{Name: "payments", Version: "1"}, nil)
 	mcp.AddTool(server, &mcp.Tool{Name: "charge_card"}, func(ctx context.Context, _ *mcp.CallToolRequest, _ chargeIn) (*mcp.CallToolResult, any, error) {
-		tool(ctx)
-		return &mcp.CallToolResult{Content: []mcp.Content{&mcp.TextContent{Text: "ok"}}}, nil, nil
+		return &mcp.CallToolResult{Content: []mcp.Content{&mcp.TextContent{Text: tool(ctx)}}}, nil, nil
 	})
 	opts.LocalClient = true
 	mw, err := mcpmiddleware.New(opts)
@@ -42,10 +43,12 @@ func callThrough(t *testing.T, opts mcpmiddleware.Options, outer mcp.Middleware,
 		t.Fatal(err)
 	}
 	defer func() { _ = cs.Close() }()
-	if _, err := cs.CallTool(ctx, &mcp.CallToolParams{Name: "charge_card", Arguments: map[string]any{"card": "4242", "amount": 5},
-		Meta: mcp.Meta{"idempotency-key": "order-1"}}); err != nil {
+	res, err := cs.CallTool(ctx, &mcp.CallToolParams{Name: "charge_card", Arguments: map[string]any{"card": "4242", "amount": 5},
+		Meta: mcp.Meta{"idempotency-key": "order-1"}})
+	if err != nil {
 		t.Fatal(err)
 	}
+	return res.Content[0].(*mcp.TextContent).Text
 }
 
 // A Group.Do in a tool's handler, inside a traced middleware call whose
@@ -55,10 +58,11 @@ func TestDoInsideTracedCallKeepsItsStoreSpans(t *testing.T) {
 	rec := tracetest.NewSpanRecorder()
 	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
 	g := idempotency.NewGroup(idempotency.NewMemoryStore(), idempotency.Options{TracerProvider: tp})
-	callThrough(t, mcpmiddleware.Options{TracerProvider: tp}, nil, func(ctx context.Context) {
+	callThrough(t, mcpmiddleware.Options{TracerProvider: tp}, nil, func(ctx context.Context) string {
 		if _, _, err := g.Do(ctx, "k", "fp", func(context.Context) ([]byte, error) { return []byte("v"), nil }); err != nil {
 			t.Error(err)
 		}
+		return "ok"
 	})
 	var call, do sdktrace.ReadOnlySpan
 	for _, s := range rec.Ended() {
@@ -104,7 +108,7 @@ func TestTracingOffMakesNoSpansUnderAnAppSpan(t *testing.T) {
 			return next(ctx, method, req)
 		}
 	}
-	callThrough(t, mcpmiddleware.Options{}, outer, func(context.Context) {})
+	callThrough(t, mcpmiddleware.Options{}, outer, func(context.Context) string { return "ok" })
 	names := spanNames(rec)
 	if !strings.Contains(strings.Join(names, ","), "app tools/call") {
 		t.Fatalf("spans %v, want the application's span of the call", names)
