@@ -276,7 +276,8 @@ var sdkSpanType = sync.OnceValue(func() reflect.Type {
 })
 
 // A Call is what a traced call's context carries (WithCall) for the
-// spans made under it: the engine's record of a tools/call span.
+// spans made under it: the engine's record of a tools/call span, or the
+// library's of a Do.
 type Call interface {
 	// StoreSpans reports whether the call's store round trips get
 	// child spans.

@@ -18,7 +18,7 @@ import (
 
 const enginePkg = "github.com/idemcp/idemcp/internal/engine"
 
-// What each engine benchmark (internal/engine/bench_test.go) covers.
+// What each engine benchmark (internal/engine's *_test.go) covers; TestEngineBenchNotes holds that every one has a line.
 var engineBenchNotes = map[string]string{
 	"BenchmarkKeyDerivation":            "parse a tools/call's params, canonicalize the arguments (RFC 8785), sha256 fingerprint and key",
 	"BenchmarkExecuted":                 "a deduplicated call that runs: plan, claim in the memory store, forward (stubbed), store the result",
