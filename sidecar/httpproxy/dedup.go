@@ -162,7 +162,7 @@ func (p *Proxy) forwardDedup(ctx context.Context, in *http.Request, body []byte,
 		return engine.Upstream{}, err
 	}
 	readableAcceptEncoding(req.Header) // the response must be readable to find ours
-	resp, err := p.client.Do(req)      //nolint:bodyclose // closed below, or by the sink once the rest is relayed
+	resp, err := p.send(req)           //nolint:bodyclose // closed below, or by the sink once the rest is relayed
 	if err != nil {
 		return engine.Upstream{}, fmt.Errorf("calling the MCP server: %w", err)
 	}

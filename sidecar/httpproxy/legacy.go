@@ -341,7 +341,7 @@ func (p *Proxy) serveEventStream(w http.ResponseWriter, r *http.Request) {
 	stop := context.AfterFunc(r.Context(), s.clientLeft)
 	defer stop()
 
-	resp, err := p.client.Do(req)
+	resp, err := p.send(req)
 	if err != nil {
 		p.upstreamError(w, r, err)
 		return
@@ -704,7 +704,7 @@ func (p *Proxy) forwardLegacy(ctx context.Context, s *legacySession, c *legacyCa
 	if err != nil {
 		return engine.Upstream{}, err
 	}
-	resp, err := p.client.Do(req)
+	resp, err := p.send(req)
 	if err != nil {
 		return engine.Upstream{}, fmt.Errorf("calling the MCP server: %w", err)
 	}

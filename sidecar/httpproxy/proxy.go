@@ -101,7 +101,6 @@ type Options struct {
 type Proxy struct {
 	opts    Options
 	rp      *httputil.ReverseProxy
-	client  *http.Client
 	engine  *engine.Engine
 	log     *slog.Logger
 	cancels *engine.InFlight[struct{}]
@@ -154,9 +153,12 @@ func New(o Options) *Proxy {
 		if o.TLSClientConfig != nil {
 			t.TLSClientConfig = o.TLSClientConfig.Clone()
 		}
-		o.Transport = t
+		// The direct path never resends; what it passes to the Transport
+		// goes as noResend makes it.
+		o.Transport = newDirectTransport(noResend{next: t}, t)
+	} else {
+		o.Transport = noResend{next: o.Transport}
 	}
-	o.Transport = noResend{next: o.Transport}
 	if o.Logger == nil {
 		o.Logger = slog.New(slog.DiscardHandler)
 	}
@@ -174,10 +176,6 @@ func New(o Options) *Proxy {
 			Name: "idemcp_legacy_shared_endpoint_calls_total",
 			Help: "Legacy SSE tools/call requests forwarded without dedup because two live sessions shared their endpoint.",
 		}),
-		client: &http.Client{
-			Transport:     o.Transport,
-			CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse },
-		},
 	}
 	if o.Registerer != nil {
 		o.Registerer.MustRegister(p.sharedCalls, p.streams.open)

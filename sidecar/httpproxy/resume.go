@@ -301,7 +301,7 @@ func (p *Proxy) serveResumedStream(w http.ResponseWriter, r *http.Request, calls
 		req.Header["User-Agent"] = []string{""}
 	}
 	req.Host = p.outHost(r.Host)
-	resp, err := p.client.Do(req)
+	resp, err := p.send(req)
 	if err != nil {
 		p.upstreamError(w, r, err)
 		return
@@ -433,7 +433,7 @@ func (p *Proxy) resumeUpstream(ctx context.Context, c *pendingCall) (progress bo
 	req.Header = c.header.Clone()
 	req.Header.Set(headerLastEventID, c.resumeFrom())
 	req.Host = c.host
-	resp, err := p.client.Do(req)
+	resp, err := p.send(req)
 	if err != nil {
 		if ctx.Err() != nil {
 			return false, "", nil // a client stream took over

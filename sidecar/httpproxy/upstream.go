@@ -16,6 +16,7 @@ import (
 	"io"
 	"net/http"
 	"net/http/httputil"
+	"net/url"
 	"strings"
 )
 
@@ -53,6 +54,22 @@ func (emptyBody) Close() error             { return nil }
 // is never resent (see noResend).
 func onceBody(b []byte) io.ReadCloser {
 	return io.NopCloser(strings.NewReader(string(b)))
+}
+
+// send sends req upstream: once, redirects not followed (the client gets
+// them as the server sent them), and an error that names the request as
+// http.Client's do ("Post \"http://...\": ..."). Not http.Client itself,
+// which copies every request's header in case of a redirect.
+func (p *Proxy) send(req *http.Request) (*http.Response, error) {
+	resp, err := p.opts.Transport.RoundTrip(req)
+	if err != nil {
+		op := "Get"
+		if m := req.Method; m != "" {
+			op = m[:1] + strings.ToLower(m[1:])
+		}
+		return nil, &url.Error{Op: op, URL: req.URL.Redacted(), Err: err}
+	}
+	return resp, nil
 }
 
 // outgoingHeader is the header of a request the sidecar sends upstream for
