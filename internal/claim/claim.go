@@ -275,56 +275,97 @@ const (
 
 // renew keeps the claim's lease alive while its call runs: every lease/3,
 // each attempt bounded by lease/3 so that a hung one cannot outlive it.
+// Nothing runs until the first renewal is due (a timer, no goroutine):
+// most calls end before it.
 func (p *Protocol) renew(ctx context.Context, h Held) (stop func()) {
-	ctx, cancel := context.WithCancel(ctx)
-	lease := h.Lease
-	every := lease / 3
-	p.Go("renew", func() {
-		t := time.NewTimer(every)
-		defer t.Stop()
-		leaseEnd := time.Now().Add(lease)
-		backoff := time.Duration(0)
-		for {
-			select {
-			case <-ctx.Done():
-				return
-			case <-t.C:
-			}
-			start := time.Now()
-			opCtx, opCancel := context.WithTimeout(ctx, every)
-			err := storeOp(opCtx, "renew", func(ctx context.Context) error { return p.store.Renew(ctx, h.Key, h.Owner, lease) })
-			opCancel()
-			switch {
-			case err == nil:
-				leaseEnd, backoff = start.Add(lease), 0
-				t.Reset(every)
-			case errors.Is(err, store.ErrNotOwner):
-				p.log.Error("Lost the claim while the call runs: another caller took it over", h.attrs()...)
-				return
-			case ctx.Err() != nil:
-				return
-			default:
-				p.storeError("renew")
-				if backoff == 0 {
-					// Once per run of failures: the retries follow quickly.
-					p.log.Warn("Renewing the claim failed; retrying until the lease runs out",
-						h.attrs("leaseLeft", time.Until(leaseEnd).Round(time.Millisecond).String(), "err", err)...)
-				}
-				backoff = min(max(2*backoff, RenewRetryMin), RenewRetryMax)
-				next := backoff
-				if left := time.Until(leaseEnd); left <= 0 {
-					// The lease has run out: another caller may take the
-					// claim over now; keep trying at the usual pace, since a
-					// renewal still succeeds if nobody has.
-					next = every
-				} else if next > left {
-					next = max(left/2, RenewRetryMin)
-				}
-				t.Reset(next)
-			}
+	r := &renewal{p: p, h: h, parent: ctx, every: h.Lease / 3, leaseEnd: time.Now().Add(h.Lease)}
+	r.mu.Lock()
+	r.t = time.AfterFunc(r.every, r.fire)
+	r.mu.Unlock()
+	return r.stop
+}
+
+// renewal is one claim's renewals; its timer fires each one.
+type renewal struct {
+	p      *Protocol
+	h      Held
+	parent context.Context
+	every  time.Duration
+
+	mu      sync.Mutex
+	t       *time.Timer
+	stopped bool
+	cancel  context.CancelFunc // ends a renewal in flight; made at the first
+	ctx     context.Context
+
+	// Only fire touches these, one firing at a time: each rearms the
+	// timer as it ends.
+	leaseEnd time.Time
+	backoff  time.Duration
+}
+
+func (r *renewal) stop() {
+	r.mu.Lock()
+	r.stopped = true
+	r.t.Stop()
+	cancel := r.cancel
+	r.mu.Unlock()
+	if cancel != nil {
+		cancel()
+	}
+}
+
+func (r *renewal) fire() {
+	defer r.p.recoverAs("renew")
+	r.mu.Lock()
+	if r.stopped {
+		r.mu.Unlock()
+		return
+	}
+	if r.ctx == nil {
+		r.ctx, r.cancel = context.WithCancel(r.parent)
+	}
+	ctx := r.ctx
+	r.mu.Unlock()
+
+	p, h, lease, every := r.p, r.h, r.h.Lease, r.every
+	start := time.Now()
+	opCtx, opCancel := context.WithTimeout(ctx, every)
+	err := storeOp(opCtx, "renew", func(ctx context.Context) error { return p.store.Renew(ctx, h.Key, h.Owner, lease) })
+	opCancel()
+	var next time.Duration
+	switch {
+	case err == nil:
+		r.leaseEnd, r.backoff = start.Add(lease), 0
+		next = every
+	case errors.Is(err, store.ErrNotOwner):
+		p.log.Error("Lost the claim while the call runs: another caller took it over", h.attrs()...)
+		return
+	case ctx.Err() != nil:
+		return
+	default:
+		p.storeError("renew")
+		if r.backoff == 0 {
+			// Once per run of failures: the retries follow quickly.
+			p.log.Warn("Renewing the claim failed; retrying until the lease runs out",
+				h.attrs("leaseLeft", time.Until(r.leaseEnd).Round(time.Millisecond).String(), "err", err)...)
 		}
-	})
-	return cancel
+		r.backoff = min(max(2*r.backoff, RenewRetryMin), RenewRetryMax)
+		next = r.backoff
+		if left := time.Until(r.leaseEnd); left <= 0 {
+			// The lease has run out: another caller may take the claim
+			// over now; keep trying at the usual pace, since a renewal
+			// still succeeds if nobody has.
+			next = every
+		} else if next > left {
+			next = max(left/2, RenewRetryMin)
+		}
+	}
+	r.mu.Lock()
+	if !r.stopped {
+		r.t.Reset(next)
+	}
+	r.mu.Unlock()
 }
 
 // SettleRetries bound how long a settling write is retried into a store
