@@ -58,25 +58,30 @@ func (s *sink) flushHeader() {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.unflushed {
-		s.flushLocked()
+		s.flushLocked(false)
 	}
 }
 
 func (s *sink) write(b []byte) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	deadline := false
 	for len(b) > 0 && !s.gone {
 		chunk := b[:min(len(b), sinkChunk)]
 		b = b[len(chunk):]
 		_ = s.rc.SetWriteDeadline(time.Now().Add(s.timeout))
+		deadline = true
 		if _, err := s.w.Write(chunk); err != nil {
 			s.gone = true
 		}
 	}
-	s.flushLocked()
+	// The last chunk's deadline covers the flush that sends it.
+	s.flushLocked(deadline)
 }
 
-func (s *sink) flushLocked() {
+// flushLocked sends what is written; deadline says a write deadline was
+// just set for it.
+func (s *sink) flushLocked(deadline bool) {
 	if s.headerFlush != nil {
 		s.headerFlush.Stop()
 		s.headerFlush = nil
@@ -85,7 +90,9 @@ func (s *sink) flushLocked() {
 	if s.gone {
 		return
 	}
-	_ = s.rc.SetWriteDeadline(time.Now().Add(s.timeout))
+	if !deadline {
+		_ = s.rc.SetWriteDeadline(time.Now().Add(s.timeout))
+	}
 	if err := s.rc.Flush(); err != nil {
 		s.gone = true
 		return
