@@ -23,6 +23,9 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/http/httptrace"
+	"net/textproto"
+	"net/url"
 	"strings"
 	"sync"
 	"time"
@@ -32,11 +35,6 @@ import (
 // that fits in a socket's buffer, so writing it never waits for the server
 // to read.
 const directMaxBody = 64 << 10
-
-// directMax1xx is how many informational responses (100 Continue, 103
-// Early Hints) may come before the real one, as net/http's Transport
-// allows.
-const directMax1xx = 5
 
 type directTransport struct {
 	// fallback sends what the direct path does not (see above), over
@@ -49,9 +47,10 @@ type directTransport struct {
 	idleTimeout time.Duration // an idle connection older than this is closed
 	maxHeader   int64         // bytes a response's header may take
 
-	mu    sync.Mutex
-	idle  map[string][]*directConn // per address, the most recently used last
-	sweep *time.Timer              // closes what stayed idle too long; nil while nothing is idle
+	mu       sync.Mutex
+	idle     map[string][]*directConn // per address, the most recently used last
+	sweep    *time.Timer              // runs closeStale while sweeping
+	sweeping bool                     // some connection is idle: sweep is set
 }
 
 func newDirectTransport(fallback http.RoundTripper, t *http.Transport) *directTransport {
@@ -71,7 +70,7 @@ func newDirectTransport(fallback http.RoundTripper, t *http.Transport) *directTr
 		d.maxIdle = http.DefaultMaxIdleConnsPerHost
 	}
 	if d.maxHeader <= 0 {
-		d.maxHeader = 1 << 20 // net/http's default
+		d.maxHeader = 10 << 20 // the Transport's default
 	}
 	return d
 }
@@ -104,7 +103,7 @@ func (d *directTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 		closeBody(req)
 		return nil, context.Cause(ctx)
 	}
-	addr := canonicalAddr(req.URL.Host)
+	addr := canonicalAddr(req.URL)
 	c, err := d.get(ctx, addr)
 	if err != nil {
 		closeBody(req)
@@ -139,12 +138,15 @@ func closeBody(req *http.Request) {
 	}
 }
 
-// canonicalAddr is host:port with the scheme's default port (http's).
-func canonicalAddr(host string) string {
-	if _, _, err := net.SplitHostPort(host); err == nil {
-		return host
+// canonicalAddr is the host:port to dial for u, an http URL, as the
+// Transport makes it (and UpstreamDialer expects): port 80 when u names
+// none.
+func canonicalAddr(u *url.URL) string {
+	port := u.Port()
+	if port == "" {
+		port = "80"
 	}
-	return net.JoinHostPort(strings.TrimSuffix(strings.TrimPrefix(host, "["), "]"), "80")
+	return net.JoinHostPort(u.Hostname(), port)
 }
 
 // get returns an idle connection to addr that the server has not closed,
@@ -180,12 +182,11 @@ func (d *directTransport) get(ctx context.Context, addr string) (*directConn, er
 
 // put keeps c for the next request to addr, or closes it.
 func (d *directTransport) put(addr string, c *directConn) {
-	if c.br.Buffered() > 0 {
+	if c.br.Buffered() > 0 || !canPeek {
 		// Bytes past the response: not a connection to reuse.
 		_ = c.conn.Close()
 		return
 	}
-	c.idleSince = time.Now()
 	d.mu.Lock()
 	conns := d.idle[addr]
 	if len(conns) >= d.maxIdle {
@@ -193,35 +194,58 @@ func (d *directTransport) put(addr string, c *directConn) {
 		_ = c.conn.Close()
 		return
 	}
+	c.idleSince = time.Now()
 	d.idle[addr] = append(conns, c)
-	if d.sweep == nil && d.idleTimeout > 0 {
-		d.sweep = time.AfterFunc(d.idleTimeout, d.closeStale)
+	if !d.sweeping {
+		d.sweeping = true
+		if d.sweep == nil {
+			d.sweep = time.AfterFunc(d.sweepEvery(), d.closeStale)
+		} else {
+			d.sweep.Reset(d.sweepEvery())
+		}
 	}
 	d.mu.Unlock()
 }
 
-// closeStale closes the connections idle for longer than the idle timeout
-// (the oldest are first), a server's closed ones among them, and comes
-// back while any stays idle.
+// sweepEvery is how often idle connections are checked: those idle too
+// long, and those their server closed (a Node.js server closes an idle
+// one after 5 seconds), are closed rather than kept half-open.
+func (d *directTransport) sweepEvery() time.Duration {
+	if d.idleTimeout > 0 {
+		return min(d.idleTimeout, directSweep)
+	}
+	return directSweep
+}
+
+// directSweep bounds how long a connection the server closed stays open
+// on the sidecar's side while idle.
+const directSweep = 5 * time.Second
+
+// closeStale closes the idle connections that stayed idle too long or
+// that their server closed, and comes back while any stays idle.
 func (d *directTransport) closeStale() {
 	now := time.Now()
 	var stale []*directConn
 	d.mu.Lock()
 	for addr, conns := range d.idle {
-		n := 0
-		for n < len(conns) && now.Sub(conns[n].idleSince) >= d.idleTimeout {
-			n++
+		keep := conns[:0]
+		for _, c := range conns {
+			if d.idleTimeout > 0 && now.Sub(c.idleSince) >= d.idleTimeout || !c.usable() {
+				stale = append(stale, c)
+			} else {
+				keep = append(keep, c)
+			}
 		}
-		stale = append(stale, conns[:n]...)
-		if n == len(conns) {
+		clear(conns[len(keep):])
+		if len(keep) == 0 {
 			delete(d.idle, addr)
-		} else if n > 0 {
-			d.idle[addr] = append(conns[:0], conns[n:]...)
+		} else {
+			d.idle[addr] = keep
 		}
 	}
-	d.sweep = nil
-	if len(d.idle) > 0 {
-		d.sweep = time.AfterFunc(d.idleTimeout, d.closeStale)
+	d.sweeping = len(d.idle) > 0
+	if d.sweeping {
+		d.sweep.Reset(d.sweepEvery())
 	}
 	d.mu.Unlock()
 	for _, c := range stale {
@@ -236,8 +260,8 @@ func (d *directTransport) CloseIdleConnections() {
 	d.idle = map[string][]*directConn{}
 	if d.sweep != nil {
 		d.sweep.Stop()
-		d.sweep = nil
 	}
+	d.sweeping = false
 	d.mu.Unlock()
 	for _, conns := range idle {
 		for _, c := range conns {
@@ -283,9 +307,16 @@ func (c *directConn) roundTrip(req *http.Request, maxHeader int64) (*http.Respon
 	if err := c.bw.Flush(); err != nil {
 		return nil, err
 	}
+	// As the Transport reads a response: informational ones (100
+	// Continue, 102 Processing, 103 Early Hints) are skipped, or given to
+	// the request's httptrace (ReverseProxy relays them to its client),
+	// and together with the real one bounded by maxHeader unless they were
+	// given on. A 101 ends the response as the Transport's does: its body
+	// is what follows on the connection, which is not reused.
 	c.limited, c.left = true, maxHeader
 	defer func() { c.limited = false }()
-	for range directMax1xx + 1 {
+	trace := httptrace.ContextClientTrace(req.Context())
+	for {
 		resp, err := http.ReadResponse(c.br, req)
 		if err != nil {
 			if errors.Is(err, io.EOF) {
@@ -293,14 +324,22 @@ func (c *directConn) roundTrip(req *http.Request, maxHeader int64) (*http.Respon
 			}
 			return nil, err
 		}
-		if resp.StatusCode < 100 || resp.StatusCode > 199 {
+		switch code := resp.StatusCode; {
+		case code == http.StatusSwitchingProtocols:
+			resp.Body = io.NopCloser(c.br)
+			resp.Close = true
+			return resp, nil
+		case code >= 100 && code <= 199:
+			if trace != nil && trace.Got1xxResponse != nil {
+				if err := trace.Got1xxResponse(code, textproto.MIMEHeader(resp.Header)); err != nil {
+					return nil, err
+				}
+				c.left = maxHeader
+			}
+		default:
 			return resp, nil
 		}
-		if resp.StatusCode == http.StatusSwitchingProtocols {
-			return nil, errors.New("the server switched protocols on a request that asked for no upgrade")
-		}
 	}
-	return nil, fmt.Errorf("the server sent more than %d informational (1xx) responses", directMax1xx)
 }
 
 // directBody is a response's body: once read to its end, its connection

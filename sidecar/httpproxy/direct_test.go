@@ -10,6 +10,8 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"net/http/httptrace"
+	"net/textproto"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -132,6 +134,18 @@ func TestDirectSendsWhatTheTransportSends(t *testing.T) {
 	if len(reqs) != 6 {
 		t.Fatalf("the server got %d requests, want 6", len(reqs))
 	}
+	// A POST with no body: Content-Length: 0, where the Transport sends an
+	// empty chunked body (noResend).
+	req, _ := http.NewRequest("POST", s.url(), nil)
+	req.Header = outgoingHeader(req.Header)
+	if resp, err := testDirect().RoundTrip(req); err != nil {
+		t.Fatal(err)
+	} else {
+		_ = resp.Body.Close()
+	}
+	if got := string(s.requests()[6]); got != "POST /mcp HTTP/1.1\r\nHost: "+s.ln.Addr().String()+"\r\nContent-Length: 0\r\n\r\n" {
+		t.Errorf("a POST with no body went as\n%q", got)
+	}
 	for i := 0; i < len(reqs); i += 2 {
 		direct, tr := string(reqs[i]), string(reqs[i+1])
 		if direct != tr {
@@ -177,10 +191,10 @@ func TestDirectReusesAConnectionAndDropsOneTheServerClosed(t *testing.T) {
 	if n, reqs := s.conns.Load(), len(s.requests()); n != 2 || reqs != 5 {
 		t.Fatalf("%d connections and %d requests, want 2 and 5", n, reqs)
 	}
-	// An idle connection is closed after the idle timeout, unused.
 	if n := s.closed.Load(); n != 1 {
 		t.Fatalf("%d connections closed, want the one the server closed", n)
 	}
+	// An idle connection is closed after the idle timeout, unused.
 	d.CloseIdleConnections()
 	d.idleTimeout = 50 * time.Millisecond
 	if _, _, err := directCall(t, d, context.Background(), "POST", s.url(), `{"n":6}`); err != nil {
@@ -189,8 +203,8 @@ func TestDirectReusesAConnectionAndDropsOneTheServerClosed(t *testing.T) {
 	poll.Within(t, 5*time.Second, "the idle connection closed after the idle timeout", poll.True(func() bool { return s.closed.Load() == 3 }))
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	if len(d.idle) != 0 || d.sweep != nil {
-		t.Fatalf("after the sweep: %d addresses idle, sweep %v", len(d.idle), d.sweep)
+	if len(d.idle) != 0 || d.sweeping {
+		t.Fatalf("after the sweep: %d addresses idle, sweeping %v", len(d.idle), d.sweeping)
 	}
 }
 
@@ -304,8 +318,7 @@ func TestDirectCancel(t *testing.T) {
 }
 
 // TestDirectBoundsTheResponseHeader: a server whose header does not end
-// gets an error, not the sidecar's memory; informational responses are
-// skipped, up to the Transport's limit.
+// gets an error, not the sidecar's memory, at the Transport's bound.
 func TestDirectBoundsTheResponseHeader(t *testing.T) {
 	s := newRawServer(t, func(c net.Conn, _ int, _ *http.Request) {
 		_, _ = io.WriteString(c, "HTTP/1.1 200 OK\r\n")
@@ -317,23 +330,61 @@ func TestDirectBoundsTheResponseHeader(t *testing.T) {
 		}
 	})
 	d := testDirect()
+	if d.maxHeader != 10<<20 {
+		t.Fatalf("the header bound is %d bytes, want the Transport's default, 10 MiB", d.maxHeader)
+	}
+	d.maxHeader = 1 << 20
 	if _, _, err := directCall(t, d, context.Background(), "POST", s.url(), `{}`); !errors.Is(err, errHeaderTooLarge) {
-		t.Fatalf("a 2 MB header: %v, want %v", err, errHeaderTooLarge)
+		t.Fatalf("a 2 MB header over a 1 MiB bound: %v, want %v", err, errHeaderTooLarge)
 	}
+}
 
-	hints := func(n int) func(c net.Conn, _ int, _ *http.Request) {
-		return func(c net.Conn, _ int, _ *http.Request) {
-			for range n {
-				_, _ = io.WriteString(c, "HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n")
-			}
-			okAnswer(c, 0, nil)
+// TestDirectInformationalResponses: 1xx responses before the answer are
+// skipped however many come (a Node.js server's 102 Processing while a
+// long tool runs), or given to the request's httptrace as the Transport
+// gives them; a 101 is the response, its connection not reused.
+func TestDirectInformationalResponses(t *testing.T) {
+	s := newRawServer(t, func(c net.Conn, _ int, req *http.Request) {
+		if req.Method == "GET" {
+			_, _ = io.WriteString(c, "HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: x\r\n\r\nraw bytes")
+			_ = c.Close()
+			return
 		}
+		for range 20 {
+			_, _ = io.WriteString(c, "HTTP/1.1 102 Processing\r\n\r\n")
+		}
+		_, _ = io.WriteString(c, "HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n")
+		okAnswer(c, 0, nil)
+	})
+	d := testDirect()
+	if resp, got, err := directCall(t, d, context.Background(), "POST", s.url(), `{}`); err != nil || resp.StatusCode != 200 || got != "{}" {
+		t.Fatalf("twenty 102s and a 103, then the answer: %v, %q, %v", resp, got, err)
 	}
-	if resp, got, err := directCall(t, d, context.Background(), "POST", newRawServer(t, hints(2)).url(), `{}`); err != nil || resp.StatusCode != 200 || got != "{}" {
-		t.Fatalf("two 103s, then the answer: %v, %q, %v", resp, got, err)
+	var seen []int
+	ctx := httptrace.WithClientTrace(context.Background(), &httptrace.ClientTrace{
+		Got1xxResponse: func(code int, h textproto.MIMEHeader) error {
+			seen = append(seen, code)
+			return nil
+		},
+	})
+	if _, got, err := directCall(t, d, ctx, "POST", s.url(), `{}`); err != nil || got != "{}" || len(seen) != 21 || seen[20] != 103 {
+		t.Fatalf("traced: %q, %v; the trace saw %v, want twenty 102s and a 103", got, err, seen)
 	}
-	if _, _, err := directCall(t, d, context.Background(), "POST", newRawServer(t, hints(directMax1xx+1)).url(), `{}`); err == nil || !strings.Contains(err.Error(), "informational") {
-		t.Fatalf("%d 103s: %v, want an error", directMax1xx+1, err)
+	req, _ := http.NewRequest("GET", s.url(), nil)
+	resp, err := d.RoundTrip(req)
+	if err != nil || resp.StatusCode != http.StatusSwitchingProtocols {
+		t.Fatalf("a 101: %v, %v", resp, err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	_ = resp.Body.Close()
+	if string(b) != "raw bytes" {
+		t.Fatalf("a 101's body is what follows it on the connection: %q", b)
+	}
+	if _, got, err := directCall(t, d, context.Background(), "POST", s.url(), `{}`); err != nil || got != "{}" {
+		t.Fatalf("after the 101: %q, %v", got, err)
+	}
+	if n := s.conns.Load(); n != 2 {
+		t.Fatalf("%d connections, want 2: the one a 101 took is not reused", n)
 	}
 }
 
@@ -370,11 +421,54 @@ func TestDirectLeavesTheRestToTheTransport(t *testing.T) {
 	req, _ := http.NewRequest("GET", plain.URL, nil)
 	req.Header.Set("Connection", "Upgrade")
 	req.Header.Set("Upgrade", "websocket")
-	if !d.direct(httptest.NewRequest("GET", plain.URL, nil)) || d.direct(req) {
-		t.Fatal("an upgrade must go to the Transport, a plain GET the direct path")
+	resp, err := d.RoundTrip(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = resp.Body.Close()
+	if n := fellBack.Load(); n != 3 {
+		t.Fatalf("an upgrade: %d requests went to the Transport, want 3", n)
+	}
+	if _, _, err := directCall(t, d, context.Background(), "GET", plain.URL, ""); err != nil || fellBack.Load() != 3 {
+		t.Fatalf("a plain GET: %v; %d requests went to the Transport, want it on the direct path", err, fellBack.Load())
 	}
 }
 
 type roundTripFunc func(*http.Request) (*http.Response, error)
 
 func (f roundTripFunc) RoundTrip(r *http.Request) (*http.Response, error) { return f(r) }
+
+// TestUpstreamUserinfoIsBasicAuth: an upstream URL with a user and
+// password reaches the server as basic auth, as http.Client sent it,
+// unless the client sent its own Authorization: on a call forwarded as it
+// came (no principal) and on a deduplicated one.
+func TestUpstreamUserinfoIsBasicAuth(t *testing.T) {
+	s := newRawServer(t, func(c net.Conn, _ int, req *http.Request) {
+		_, _ = io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 36\r\n\r\n"+`{"jsonrpc":"2.0","id":1,"result":{}}`)
+	})
+	proxy := newTestProxy(t, "http://u:p@"+s.ln.Addr().String(), "")
+	for _, auth := range []string{"", "Bearer caller-a"} {
+		req, _ := http.NewRequest(http.MethodPost, proxy.URL+"/mcp", strings.NewReader(fmt.Sprintf(chargeCall, 1)))
+		req.Header.Set("Content-Type", "application/json")
+		req.Header.Set("Accept", "application/json, text/event-stream")
+		if auth != "" {
+			req.Header.Set("Authorization", auth)
+		}
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, _ = io.Copy(io.Discard, resp.Body)
+		_ = resp.Body.Close()
+	}
+	reqs := s.requests()
+	if len(reqs) != 2 {
+		t.Fatalf("the server got %d requests, want 2", len(reqs))
+	}
+	if !bytes.Contains(reqs[0], []byte("Authorization: Basic dTpw\r\n")) {
+		t.Errorf("without the client's Authorization:\n%q\nwant the URL's user and password as basic auth", reqs[0])
+	}
+	if !bytes.Contains(reqs[1], []byte("Authorization: Bearer caller-a\r\n")) || bytes.Contains(reqs[1], []byte("Basic")) {
+		t.Errorf("with the client's Authorization:\n%q\nwant it alone", reqs[1])
+	}
+}

@@ -56,13 +56,21 @@ func onceBody(b []byte) io.ReadCloser {
 	return io.NopCloser(strings.NewReader(string(b)))
 }
 
-// send sends req upstream: once, redirects not followed (the client gets
-// them as the server sent them), and an error that names the request as
-// http.Client's do ("Post \"http://...\": ..."). Not http.Client itself,
-// which copies every request's header in case of a redirect.
+// send sends req (a request the proxy built, its header its own) upstream
+// as http.Client would with redirects not followed: once, with
+// basicAuthFromURL, and with an error that names the request ("Post
+// \"http://...\": ..."). Not http.Client itself, which copies every
+// request's header in case of a redirect.
 func (p *Proxy) send(req *http.Request) (*http.Response, error) {
+	basicAuthFromURL(req)
 	resp, err := p.opts.Transport.RoundTrip(req)
+	if err == nil && resp == nil {
+		err = errors.New("the transport returned neither a response nor an error")
+	}
 	if err != nil {
+		if resp != nil && resp.Body != nil {
+			_ = resp.Body.Close()
+		}
 		op := "Get"
 		if m := req.Method; m != "" {
 			op = m[:1] + strings.ToLower(m[1:])
@@ -70,6 +78,16 @@ func (p *Proxy) send(req *http.Request) (*http.Response, error) {
 		return nil, &url.Error{Op: op, URL: req.URL.Redacted(), Err: err}
 	}
 	return resp, nil
+}
+
+// basicAuthFromURL gives req, a request for the upstream with a header of
+// its own, the upstream URL's user and password as basic auth, as
+// http.Client does, unless the client sent an Authorization of its own.
+func basicAuthFromURL(req *http.Request) {
+	if u := req.URL.User; u != nil && req.Header.Get("Authorization") == "" {
+		password, _ := u.Password()
+		req.SetBasicAuth(u.Username(), password)
+	}
 }
 
 // outgoingHeader is the header of a request the sidecar sends upstream for
@@ -109,6 +127,7 @@ func (p *Proxy) rewrite(pr *httputil.ProxyRequest) {
 	// unless the proxy is configured for the upstream's own (a remote
 	// server).
 	pr.Out.Host = p.outHost(pr.In.Host)
+	basicAuthFromURL(pr.Out)
 	hop := connectionTokens(pr.In.Header)
 	for _, name := range forwardingHeaders {
 		if v, ok := pr.In.Header[name]; ok && !hop[strings.ToLower(name)] {

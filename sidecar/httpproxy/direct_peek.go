@@ -1,8 +1,11 @@
-//go:build unix
+//go:build unix && !aix
 
 package httpproxy
 
 import "syscall"
+
+// canPeek says usable can tell: idle connections are kept.
+const canPeek = true
 
 // usable says whether an idle connection can carry a request: the server
 // has neither closed it nor sent anything on it. One non-blocking peek, so
