@@ -35,11 +35,22 @@ type rawServer struct {
 
 func newRawServer(t *testing.T, answer func(c net.Conn, n int, req *http.Request)) *rawServer {
 	t.Helper()
+	s := &rawServer{answer: answer}
+	s.ln = listenTCP(t, func(c net.Conn) {
+		s.conns.Add(1)
+		s.serve(c)
+	})
+	return s
+}
+
+// listenTCP serves each connection to a new loopback listener with
+// handle, on its own goroutine, until the test ends.
+func listenTCP(t *testing.T, handle func(net.Conn)) net.Listener {
+	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
-	s := &rawServer{ln: ln, answer: answer}
 	t.Cleanup(func() { _ = ln.Close() })
 	go func() {
 		for {
@@ -47,11 +58,10 @@ func newRawServer(t *testing.T, answer func(c net.Conn, n int, req *http.Request
 			if err != nil {
 				return
 			}
-			s.conns.Add(1)
-			go s.serve(c)
+			go handle(c)
 		}
 	}()
-	return s
+	return ln
 }
 
 func (s *rawServer) serve(c net.Conn) {

@@ -57,21 +57,8 @@ type droppingServer struct {
 
 func newDroppingServer(t *testing.T, warm int) *droppingServer {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	s := &droppingServer{ln: ln, warm: warm, goFlag: make(chan struct{})}
-	t.Cleanup(func() { _ = ln.Close() })
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			go s.serve(t, c)
-		}
-	}()
+	s := &droppingServer{warm: warm, goFlag: make(chan struct{})}
+	s.ln = listenTCP(t, func(c net.Conn) { s.serve(t, c) })
 	return s
 }
 
