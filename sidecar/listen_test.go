@@ -197,3 +197,28 @@ func TestReadyzDoesNotShowTheStoreError(t *testing.T) {
 		t.Fatalf("/readyz shows the store's error: %q", body)
 	}
 }
+
+// TestUpstreamPasswordStaysOut: a password in --upstream goes to the
+// server as basic auth, and nowhere else: not into an error, and not into
+// what keys the store's records (a new password must not move them, or a
+// retry after the restart runs its call again).
+func TestUpstreamPasswordStaysOut(t *testing.T) {
+	var prefixes []string
+	for _, pw := range []string{"secret", "rotated"} {
+		s, err := New(Options{Upstream: "http://u:" + pw + "@127.0.0.1:1/mcp", LogLevel: "error", Store: storeopen.Options{Kind: "memory"}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		prefixes = append(prefixes, s.opts.Store.Upstream)
+	}
+	if prefixes[0] != prefixes[1] || prefixes[0] != "http://127.0.0.1:1/mcp" {
+		t.Fatalf("the store's keys follow %q and %q, want the server's URL without its credentials, the same for both", prefixes[0], prefixes[1])
+	}
+	_, err := New(Options{Upstream: "ftp://u:secret@127.0.0.1:1", LogLevel: "error"})
+	if err == nil || strings.Contains(err.Error(), "secret") || !strings.Contains(err.Error(), "ftp://u:xxxxx@127.0.0.1:1") {
+		t.Fatalf("a bad --upstream: %v, want an error naming it without its password", err)
+	}
+	if got := redactedURL("http://u:secret@h:1"); got != "http://u:xxxxx@h:1" {
+		t.Fatalf("the log's upstream: %q", got)
+	}
+}

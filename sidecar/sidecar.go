@@ -214,7 +214,11 @@ func New(o Options) (*Sidecar, error) {
 	}
 	up, err := url.Parse(o.Upstream)
 	if err != nil || (up.Scheme != "http" && up.Scheme != "https") || up.Host == "" {
-		return nil, fmt.Errorf("--upstream: %q is not an http:// or https:// URL with a host", o.Upstream)
+		shown := o.Upstream
+		if err == nil {
+			shown = up.Redacted() // a password in it stays out of the error
+		}
+		return nil, fmt.Errorf("--upstream: %q is not an http:// or https:// URL with a host", shown)
 	}
 	if h := o.UpstreamHost; h != "" {
 		if u, err := url.Parse("http://" + h); err != nil || u.Host != h || u.User != nil {
@@ -248,7 +252,12 @@ func New(o Options) (*Sidecar, error) {
 		return nil, err
 	}
 	if o.Store.Upstream == "" {
-		o.Store.Upstream = up.String()
+		// The server, not its credentials: a changed password must not move
+		// the store's keys (a retry after the restart would run its call
+		// again).
+		server := *up
+		server.User = nil
+		o.Store.Upstream = server.String()
 	}
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
@@ -405,7 +414,7 @@ func (s *Sidecar) Run(ctx context.Context) error {
 		admin = listeners[1].Addr().String()
 	}
 	pol := s.engine.Policy()
-	s.log.Info("Sidecar listening", append([]any{"listen", ln.Addr().String(), "admin", admin, "upstream", s.opts.Upstream,
+	s.log.Info("Sidecar listening", append([]any{"listen", ln.Addr().String(), "admin", admin, "upstream", redactedURL(s.opts.Upstream),
 		"upstreamDialIPs", s.opts.UpstreamDialIPs, "policy", pol.Hash}, s.storeInfo.LogAttrs()...)...)
 	go storeopen.Check(ctx, s.store, s.storeInfo, pol, s.log)
 	pushCtx, stopPush := context.WithCancel(ctx)
@@ -448,4 +457,12 @@ func (s *Sidecar) Run(ctx context.Context) error {
 		return err
 	}
 	return nil
+}
+
+// redactedURL is u with its password, if any, as "xxxxx", for logs.
+func redactedURL(u string) string {
+	if p, err := url.Parse(u); err == nil {
+		return p.Redacted()
+	}
+	return u
 }

@@ -138,9 +138,10 @@ func closeBody(req *http.Request) {
 	}
 }
 
-// canonicalAddr is the host:port to dial for u, an http URL, as the
-// Transport makes it (and UpstreamDialer expects): port 80 when u names
-// none.
+// canonicalAddr is the host:port to dial for u, an http URL, as
+// UpstreamDialer expects it: port 80 when u names none. (The Transport
+// also turns a host name that is not ASCII into its punycode; so does
+// neither here.)
 func canonicalAddr(u *url.URL) string {
 	port := u.Port()
 	if port == "" {
@@ -311,8 +312,11 @@ func (c *directConn) roundTrip(req *http.Request, maxHeader int64) (*http.Respon
 	// Continue, 102 Processing, 103 Early Hints) are skipped, or given to
 	// the request's httptrace (ReverseProxy relays them to its client),
 	// and together with the real one bounded by maxHeader unless they were
-	// given on. A 101 ends the response as the Transport's does: its body
-	// is what follows on the connection, which is not reused.
+	// given on. A 101 ends the response, as with the Transport, and its
+	// body is what follows on the connection, which is not reused; but
+	// that body cannot be written to, as the Transport's can: a request
+	// here never asks for an upgrade, so a 101 is the server's fault, and
+	// ReverseProxy answers it with a 502 rather than a tunnel.
 	c.limited, c.left = true, maxHeader
 	defer func() { c.limited = false }()
 	trace := httptrace.ContextClientTrace(req.Context())
