@@ -140,8 +140,8 @@ func closeBody(req *http.Request) {
 
 // canonicalAddr is the host:port to dial for u, an http URL, as
 // UpstreamDialer expects it: port 80 when u names none. (The Transport
-// also turns a host name that is not ASCII into its punycode; so does
-// neither here.)
+// also turns a host name that is not ASCII into its punycode; neither
+// this nor UpstreamDialer does.)
 func canonicalAddr(u *url.URL) string {
 	port := u.Port()
 	if port == "" {
