@@ -194,7 +194,15 @@ func TestDirectReusesAConnectionAndDropsOneTheServerClosed(t *testing.T) {
 	if _, _, err := directCall(t, d, context.Background(), "POST", s.url(), `{"n":4}`); err != nil {
 		t.Fatal(err)
 	}
-	time.Sleep(50 * time.Millisecond) // the server's FIN arrives
+	// Wait for the server's close to reach the idle connection: the next
+	// call's peek must see it.
+	addr := s.ln.Addr().String()
+	poll.Within(t, 5*time.Second, "the server's close of the idle connection", poll.True(func() bool {
+		d.mu.Lock()
+		defer d.mu.Unlock()
+		conns := d.idle[addr]
+		return len(conns) == 0 || !conns[len(conns)-1].usable()
+	}))
 	if _, got, err := directCall(t, d, context.Background(), "POST", s.url(), `{"n":5}`); err != nil || got != "{}" {
 		t.Fatalf("the call after the server closed the idle connection: %q, %v", got, err)
 	}
@@ -236,7 +244,8 @@ func TestDirectNeverResends(t *testing.T) {
 	if !errors.Is(err, io.ErrUnexpectedEOF) {
 		t.Fatalf("got %v, want the server's close as an unexpected EOF", err)
 	}
-	time.Sleep(50 * time.Millisecond)
+	// Nothing to wait for: the direct path has no goroutine of its own,
+	// so a resend would have reached the server before RoundTrip returned.
 	if reqs := len(s.requests()); reqs != 2 {
 		t.Fatalf("the server got %d requests, want 2: the dropped call was sent again", reqs)
 	}
