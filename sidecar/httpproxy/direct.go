@@ -26,8 +26,8 @@ import (
 	"net/http/httptrace"
 	"net/textproto"
 	"net/url"
-	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -37,8 +37,8 @@ import (
 const directMaxBody = 64 << 10
 
 type directTransport struct {
-	// fallback sends what the direct path does not (see above), over
-	// transport.
+	// fallback sends what the direct path does not (see above): transport
+	// under noResend.
 	fallback  http.RoundTripper
 	transport *http.Transport
 	dial      func(ctx context.Context, network, addr string) (net.Conn, error)
@@ -53,9 +53,9 @@ type directTransport struct {
 	sweeping bool                     // some connection is idle: sweep is set
 }
 
-func newDirectTransport(fallback http.RoundTripper, t *http.Transport) *directTransport {
+func newDirectTransport(t *http.Transport) *directTransport {
 	d := &directTransport{
-		fallback:    fallback,
+		fallback:    noResend{next: t},
 		transport:   t,
 		dial:        t.DialContext,
 		maxIdle:     t.MaxIdleConnsPerHost,
@@ -75,18 +75,15 @@ func newDirectTransport(fallback http.RoundTripper, t *http.Transport) *directTr
 	return d
 }
 
-// direct says whether req goes the direct path.
+// direct says whether req goes the direct path. An upgrade carries an
+// Upgrade header: the proxy's requests lose it with the other hop-by-hop
+// fields, except where ReverseProxy passes an upgrade on.
 func (d *directTransport) direct(req *http.Request) bool {
 	if req.URL == nil || req.URL.Scheme != "http" || req.URL.Host == "" {
 		return false
 	}
 	if _, ok := req.Header["Upgrade"]; ok {
 		return false
-	}
-	for _, v := range req.Header["Connection"] {
-		if strings.Contains(strings.ToLower(v), "upgrade") {
-			return false
-		}
 	}
 	if req.Body == nil || req.Body == http.NoBody {
 		return true
@@ -122,7 +119,7 @@ func (d *directTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 		return nil, err
 	}
 	keep := !resp.Close && !req.Close
-	b := &directBody{body: resp.Body, c: c, t: d, addr: addr, ctx: ctx, stop: stop, keep: keep}
+	b := &directBody{body: resp.Body, c: c, t: d, ctx: ctx, stop: stop, keep: keep}
 	if resp.Body == http.NoBody {
 		// Nothing to read: the connection is free now.
 		b.finish(true)
@@ -165,7 +162,7 @@ func (d *directTransport) get(ctx context.Context, addr string) (*directConn, er
 		conns[len(conns)-1] = nil
 		d.idle[addr] = conns[:len(conns)-1]
 		d.mu.Unlock()
-		if d.idleTimeout > 0 && now.Sub(c.idleSince) > d.idleTimeout || !c.usable() {
+		if d.stale(c, now) {
 			_ = c.conn.Close()
 			continue
 		}
@@ -175,28 +172,34 @@ func (d *directTransport) get(ctx context.Context, addr string) (*directConn, er
 	if err != nil {
 		return nil, err
 	}
-	c := &directConn{conn: conn}
+	c := &directConn{conn: conn, addr: addr}
 	c.br = bufio.NewReaderSize(c, 4<<10)
 	c.bw = bufio.NewWriterSize(conn, 4<<10)
 	return c, nil
 }
 
-// put keeps c for the next request to addr, or closes it.
-func (d *directTransport) put(addr string, c *directConn) {
+// stale says an idle connection must not carry another request: idle for
+// longer than the idle timeout, or closed (or written to) by its server.
+func (d *directTransport) stale(c *directConn, now time.Time) bool {
+	return d.idleTimeout > 0 && now.Sub(c.idleSince) >= d.idleTimeout || !c.usable()
+}
+
+// put keeps c for the next request to its address, or closes it.
+func (d *directTransport) put(c *directConn) {
 	if c.br.Buffered() > 0 || !canPeek {
 		// Bytes past the response: not a connection to reuse.
 		_ = c.conn.Close()
 		return
 	}
 	d.mu.Lock()
-	conns := d.idle[addr]
+	conns := d.idle[c.addr]
 	if len(conns) >= d.maxIdle {
 		d.mu.Unlock()
 		_ = c.conn.Close()
 		return
 	}
 	c.idleSince = time.Now()
-	d.idle[addr] = append(conns, c)
+	d.idle[c.addr] = append(conns, c)
 	if !d.sweeping {
 		d.sweeping = true
 		if d.sweep == nil {
@@ -231,7 +234,7 @@ func (d *directTransport) closeStale() {
 	for addr, conns := range d.idle {
 		keep := conns[:0]
 		for _, c := range conns {
-			if d.idleTimeout > 0 && now.Sub(c.idleSince) >= d.idleTimeout || !c.usable() {
+			if d.stale(c, now) {
 				stale = append(stale, c)
 			} else {
 				keep = append(keep, c)
@@ -276,6 +279,7 @@ func (d *directTransport) CloseIdleConnections() {
 // a response header is read.
 type directConn struct {
 	conn      net.Conn
+	addr      string        // what was dialed: its key in the pool
 	br        *bufio.Reader // reads c (below), not conn
 	bw        *bufio.Writer
 	limited   bool
@@ -353,13 +357,10 @@ type directBody struct {
 	body io.ReadCloser
 	c    *directConn
 	t    *directTransport
-	addr string
 	ctx  context.Context
 	stop func() bool
 	keep bool
-
-	mu   sync.Mutex
-	done bool // the connection was put back or closed
+	done atomic.Bool // the connection was put back or closed
 }
 
 func (b *directBody) Read(p []byte) (int, error) {
@@ -381,16 +382,12 @@ func (b *directBody) Close() error {
 // finish releases the connection once: back to the pool when the body was
 // read to its end (eof) and the response lets it be reused.
 func (b *directBody) finish(eof bool) {
-	b.mu.Lock()
-	if b.done {
-		b.mu.Unlock()
+	if !b.done.CompareAndSwap(false, true) {
 		return
 	}
-	b.done = true
-	b.mu.Unlock()
 	// A cancel that already closed the connection keeps it from the pool.
 	if b.stop() && eof && b.keep {
-		b.t.put(b.addr, b.c)
+		b.t.put(b.c)
 		return
 	}
 	_ = b.c.conn.Close()

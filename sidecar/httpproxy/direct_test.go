@@ -95,10 +95,7 @@ func okAnswer(c net.Conn, _ int, _ *http.Request) {
 	_, _ = io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
 }
 
-func testDirect() *directTransport {
-	t := NewTransport()
-	return newDirectTransport(noResend{next: t}, t)
-}
+func testDirect() *directTransport { return newDirectTransport(NewTransport()) }
 
 func directCall(t *testing.T, rt http.RoundTripper, ctx context.Context, method, u, body string) (*http.Response, string, error) {
 	t.Helper()

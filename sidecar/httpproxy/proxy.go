@@ -155,7 +155,7 @@ func New(o Options) *Proxy {
 		}
 		// The direct path never resends; what it passes to the Transport
 		// goes as noResend makes it.
-		o.Transport = newDirectTransport(noResend{next: t}, t)
+		o.Transport = newDirectTransport(t)
 	} else {
 		o.Transport = noResend{next: o.Transport}
 	}
